@@ -1,0 +1,48 @@
+"""pytest hooks for the notebook tier (nbval runs every notebook, one item per code cell).
+
+- Without CUDA, a notebook's cells run up to its first code cell not tagged ``cpu-ok``; that
+  cell and every later one are skipped with the reason "requires CUDA".
+- After a cell fails, the rest of its notebook is skipped, so one failure reads as one failure
+  and not as a cascade of NameErrors.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+CPU_OK_TAG = "cpu-ok"
+_failed_notebooks: set[str] = set()
+
+
+def _is_notebook_cell(item) -> bool:
+    return hasattr(item, "cell") and hasattr(item.parent, "nb")
+
+
+def pytest_collection_modifyitems(config, items):
+    cells = [item for item in items if _is_notebook_cell(item)]
+    if not cells:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    past_cpu_part: set[str] = set()
+    for item in cells:
+        notebook = item.parent.nodeid
+        if CPU_OK_TAG not in item.cell.get("metadata", {}).get("tags", []):
+            past_cpu_part.add(notebook)
+        if notebook in past_cpu_part:
+            item.add_marker(pytest.mark.skip(reason="requires CUDA"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _is_notebook_cell(item):
+        _failed_notebooks.add(item.parent.nodeid)
+
+
+def pytest_runtest_setup(item):
+    if _is_notebook_cell(item) and item.parent.nodeid in _failed_notebooks:
+        pytest.skip("an earlier cell of this notebook failed")

@@ -1,0 +1,646 @@
+"""Shared measuring kit for the notebooks: environment, timing, profiling, figures, claims.
+
+Every notebook imports this module (its setup cell puts the repository root on ``sys.path``,
+or on Colab downloads this one file). Sections:
+
+1. Colab set-up      install what Colab lacks without ever touching its torch
+2. Environment       what machine the numbers come from; a guard for notebooks that need CUDA
+3. Timing            host clock, CUDA events, torch.utils.benchmark; bandwidth; sync probes
+4. Profiling         device activity as lanes, overlap fraction, timeline picture
+5. Figures           one style, deterministic PNGs in ``figures/``
+6. Results, claims   measurements recorded in output metadata; claims checked as they run
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import matplotlib
+
+if "ipykernel" not in sys.modules and not os.environ.get("MPLBACKEND"):
+    matplotlib.use("Agg")  # scripts and tests draw off-screen; notebooks keep the inline backend
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+FIGURES_DIR = ROOT / "figures"
+METADATA_KEY = "collection"  # namespace in notebook and output metadata
+
+# --------------------------------------------------------------------------------------------
+# 1. Colab set-up
+# --------------------------------------------------------------------------------------------
+
+#: Packages the notebooks use that a Colab runtime does not ship.
+COLAB_EXTRAS = ("tensordict",)
+
+
+def in_colab() -> bool:
+    return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
+
+
+def missing_packages(names: Iterable[str]) -> list[str]:
+    return [name for name in names if importlib.util.find_spec(name) is None]
+
+
+def pip_install_command(packages: Sequence[str], constraints_file: str) -> list[str]:
+    """pip command that installs ``packages`` while the constraints file pins torch.
+
+    Pinning the installed torch makes pip pick the newest release of each package that
+    declares itself compatible with it, and fail rather than replace torch.
+    """
+    if any(p.split("=")[0].split("<")[0].split(">")[0].strip() == "torch" for p in packages):
+        raise ValueError("the set-up never installs torch: use the runtime's own")
+    return [sys.executable, "-m", "pip", "install", "-q", "-c", constraints_file, *packages]
+
+
+def colab_setup(packages: Sequence[str] = COLAB_EXTRAS) -> list[str]:
+    """On Colab, install the missing ``packages`` against the runtime's torch; elsewhere nothing."""
+    if not in_colab():
+        return []
+    missing = missing_packages(packages)
+    if missing:
+        torch_version = importlib.metadata.version("torch")
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as pins:
+            pins.write(f"torch=={torch_version}\n")
+        subprocess.run(pip_install_command(missing, pins.name), check=True)
+        print(f"installed {', '.join(missing)} against torch {torch_version}")
+    return missing
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Environment
+# --------------------------------------------------------------------------------------------
+
+# Per-lane signalling rate (GT/s) and line-code efficiency for each PCIe generation.
+_PCIE_LANE = {1: (2.5, 8 / 10), 2: (5.0, 8 / 10), 3: (8.0, 128 / 130), 4: (16.0, 128 / 130),
+              5: (32.0, 128 / 130), 6: (64.0, 242 / 256)}
+
+
+def pcie_link_gbps(generation: int | None, width: int | None) -> float | None:
+    """Theoretical PCIe payload rate per direction in GB/s (10^9 B/s), before protocol overhead."""
+    if generation not in _PCIE_LANE or not width:
+        return None
+    rate, efficiency = _PCIE_LANE[generation]
+    return rate * efficiency * width / 8
+
+
+class CUDARequired(RuntimeError):
+    """Raised by :func:`require_cuda`; Jupyter shows only its one-line message."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+def require_cuda() -> torch.device:
+    """Return the CUDA device, or stop the notebook with one line that says what to do."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if in_colab():
+        hint = "on Colab choose Runtime > Change runtime type > T4 GPU, then Run all again."
+    else:
+        hint = (f"torch {torch.__version__} sees no CUDA device here; run it on a machine "
+                "with an NVIDIA GPU, or open it in Colab with a GPU runtime.")
+    raise CUDARequired(f"this notebook measures a GPU: {hint}")
+
+
+def _pcie_link(index: int) -> tuple[int | None, int | None, int | None, int | None]:
+    """(current gen, max gen, current width, max width) from NVML, else nvidia-smi, else Nones."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return (pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle),
+                pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle),
+                pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle),
+                pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle))
+    except Exception:  # no NVML binding or no NVML support: try the command-line tool
+        pass
+    if shutil.which("nvidia-smi"):
+        query = ("pcie.link.gen.current,pcie.link.gen.max,"
+                 "pcie.link.width.current,pcie.link.width.max")
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits",
+                              f"--id={index}"], capture_output=True, text=True, timeout=20)
+        fields = [f.strip() for f in out.stdout.strip().split(",")]
+        if out.returncode == 0 and len(fields) == 4:
+            return tuple(int(f) if f.isdigit() else None for f in fields)  # type: ignore[return-value]
+    return (None, None, None, None)
+
+
+def _copy_engine_count(index: int) -> int | None:
+    """CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT through the driver library, if it can be loaded."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        device, value = ctypes.c_int(), ctypes.c_int()
+        if driver.cuInit(0) or driver.cuDeviceGet(ctypes.byref(device), index):
+            return None
+        if driver.cuDeviceGetAttribute(ctypes.byref(value), 40, device):
+            return None
+        return value.value
+    except OSError:
+        return None
+
+
+def host_ram_gib() -> float:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def environment(index: int = 0) -> dict:
+    """Facts about this machine that the measurements depend on (None where unknown)."""
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "cuda_runtime": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+           "gpu": None, "gpu_memory_gib": None, "compute_capability": None,
+           "pcie_gen": None, "pcie_gen_max": None, "pcie_width": None, "pcie_width_max": None,
+           "link_gbps": None, "copy_engines": None, "cpu_count": os.cpu_count(),
+           "host_ram_gib": round(host_ram_gib(), 1), "colab": in_colab()}
+    if env["cuda_available"]:
+        props = torch.cuda.get_device_properties(index)
+        gen, gen_max, width, width_max = _pcie_link(index)
+        env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   compute_capability=f"{props.major}.{props.minor}",
+                   pcie_gen=gen, pcie_gen_max=gen_max, pcie_width=width, pcie_width_max=width_max,
+                   link_gbps=pcie_link_gbps(gen_max or gen, width_max or width),
+                   copy_engines=_copy_engine_count(index))
+    return env
+
+
+def format_environment(env: dict) -> str:
+    def show(value, fmt="{}"):
+        return "unknown" if value is None else fmt.format(value)
+
+    if env["cuda_available"]:
+        link = (f"PCIe Gen{show(env['pcie_gen_max'])} x{show(env['pcie_width_max'])} "
+                f"(now Gen{show(env['pcie_gen'])} x{show(env['pcie_width'])}), "
+                f"{show(env['link_gbps'], '{:.1f}')} GB/s per direction in theory")
+        gpu = (f"{env['gpu']}, {env['gpu_memory_gib']} GiB, compute capability "
+               f"{env['compute_capability']}, {show(env['copy_engines'])} copy engines")
+    else:
+        link, gpu = "n/a", "none visible to torch"
+    rows = [("torch", f"{env['torch']} (CUDA runtime {show(env['cuda_runtime'])}), "
+                      f"Python {env['python']}"),
+            ("GPU", gpu), ("host link", link),
+            ("host", f"{env['cpu_count']} CPUs, {env['host_ram_gib']} GiB RAM"
+                     + (", Google Colab" if env["colab"] else ""))]
+    return "\n".join(f"{name:<10} {value}" for name, value in rows)
+
+
+def environment_report(index: int = 0) -> dict:
+    """Print the environment as a compact table and return it as a dict."""
+    env = environment(index)
+    print(format_environment(env))
+    return env
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Timing
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Repeated measurements of one thing, in milliseconds."""
+
+    samples_ms: tuple[float, ...]
+    method: str
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples_ms)
+
+    @property
+    def q1_ms(self) -> float:
+        return _quantile(self.samples_ms, 0.25)
+
+    @property
+    def q3_ms(self) -> float:
+        return _quantile(self.samples_ms, 0.75)
+
+    @property
+    def iqr_ms(self) -> float:
+        return self.q3_ms - self.q1_ms
+
+    def gbps(self, nbytes: int) -> float:
+        return bandwidth_gbps(nbytes, self.median_ms)
+
+    def __str__(self) -> str:
+        return (f"{_ms(self.median_ms)} median (IQR {_ms(self.q1_ms)} to {_ms(self.q3_ms)}, "
+                f"n={len(self.samples_ms)}, {self.method})")
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _ms(value: float) -> str:
+    return f"{value * 1e3:.1f} us" if value < 0.1 else f"{value:.3g} ms"
+
+
+def bandwidth_gbps(nbytes: int, milliseconds: float) -> float:
+    """Bytes per second in GB/s (10^9), the unit PCIe rates are quoted in."""
+    return nbytes / (milliseconds * 1e-3) / 1e9
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def time_host(fn: Callable[[], object], *, sync: bool, warmup: int = 3,
+              repeat: int = 20) -> Timing:
+    """Host wall clock around each call. ``sync=False`` times only what the host waits for."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    samples = []
+    for _ in range(repeat):
+        if sync:
+            _sync()
+        start = time.perf_counter()
+        fn()
+        if sync:
+            _sync()
+        samples.append((time.perf_counter() - start) * 1e3)
+    _sync()  # leave no queued work behind, whatever was timed
+    method = "host clock, synchronised" if sync else "host clock, no sync"
+    return Timing(tuple(samples), method)
+
+
+def time_cuda(fn: Callable[[], object], *, warmup: int = 3, repeat: int = 20) -> Timing:
+    """CUDA events recorded on the current stream before and after each call."""
+    for _ in range(warmup):
+        fn()
+    pairs = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()  # elapsed_time raises until both events have completed
+    return Timing(tuple(s.elapsed_time(e) for s, e in pairs), "CUDA events")
+
+
+def benchmark(fn: Callable[[], object], *, min_run_time: float = 0.2) -> Timing:
+    """torch.utils.benchmark's blocked_autorange (it synchronises CUDA around each block)."""
+    from torch.utils import benchmark as tub
+
+    measurement = tub.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(
+        min_run_time=min_run_time)
+    return Timing(tuple(t * 1e3 for t in measurement.times), "torch.utils.benchmark")
+
+
+@cache
+def _sleep_cycles_per_ms() -> float:
+    cycles = 1 << 20
+    torch.cuda._sleep(cycles)  # warm-up: the first launch loads the kernel
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
+def gpu_busy(milliseconds: float) -> None:
+    """Queue roughly ``milliseconds`` of device work on the current stream and return at once.
+
+    Work queued ahead of an operation makes its ordering visible: whatever waits for the
+    stream waits for this first.
+    """
+    torch.cuda._sleep(int(milliseconds * _sleep_cycles_per_ms()))
+
+
+@dataclass(frozen=True)
+class SyncProbe:
+    host_ms: float  # how long the host spent in the call
+    busy_ms: float  # device work queued ahead of it
+    warned: bool  # torch.cuda.set_sync_debug_mode("warn") reported a synchronisation
+
+    @property
+    def blocked(self) -> bool:
+        """The host waited for the queued work: the call synchronised."""
+        return self.host_ms > 0.5 * self.busy_ms
+
+
+def sync_probe(fn: Callable[[], object], *, busy_ms: float = 50.0) -> SyncProbe:
+    """Does ``fn`` make the host wait for the GPU? Queue ``busy_ms`` of work, time the call.
+
+    Also asks PyTorch's sync debug mode (process-wide, restored afterwards) for its opinion.
+    """
+    torch.cuda.synchronize()
+    gpu_busy(busy_ms)
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            start = time.perf_counter()
+            fn()
+            host_ms = (time.perf_counter() - start) * 1e3
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    warned = any("synchronizing CUDA operation" in str(w.message) for w in caught)
+    return SyncProbe(host_ms, busy_ms, warned)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Profiling: device activity as lanes
+# --------------------------------------------------------------------------------------------
+
+COPY_KINDS = ("H2D", "D2H", "D2D")
+
+
+@dataclass(frozen=True)
+class Activity:
+    """One span of device work: a kernel, a copy or a memset, on one stream."""
+
+    stream: int
+    kind: str  # "kernel", "H2D", "D2H", "D2D", "memset"
+    name: str
+    start_us: float
+    end_us: float
+    nbytes: int | None = None
+
+    @property
+    def duration_us(self) -> float:
+        return self.end_us - self.start_us
+
+
+def _activity_kind(category: str, name: str) -> str | None:
+    if category == "kernel":
+        return "kernel"
+    if category == "gpu_memset":
+        return "memset"
+    if category == "gpu_memcpy":
+        for marker, kind in (("HtoD", "H2D"), ("DtoH", "D2H"), ("DtoD", "D2D")):
+            if marker in name:
+                return kind
+        return "D2D"  # peer-to-peer and other device-side copies
+    return None
+
+
+def parse_chrome_trace(trace: dict | list) -> list[Activity]:
+    """Device activities from a torch.profiler Chrome trace, times relative to the first one."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    found = []
+    for event in events:
+        kind = _activity_kind(event.get("cat", ""), event.get("name", ""))
+        if kind is None or event.get("ph") != "X":
+            continue
+        args = event.get("args", {})
+        stream = int(args.get("stream", event.get("tid", -1)))
+        start = float(event["ts"])
+        found.append((stream, kind, event["name"], start, start + float(event["dur"]),
+                      args.get("bytes")))
+    if not found:
+        return []
+    origin = min(f[3] for f in found)
+    return sorted((Activity(s, k, n, b - origin, e - origin, nb) for s, k, n, b, e, nb in found),
+                  key=lambda a: (a.start_us, a.stream))
+
+
+def profile_activities(fn: Callable[[], object], *, warmup: int = 1) -> list[Activity]:
+    """Run ``fn`` under torch.profiler and return what the device did, per stream."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return parse_chrome_trace(json.loads(path.read_text()))
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def _length(intervals: Iterable[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def overlap_fraction(activities: Sequence[Activity], copy_kinds: Sequence[str] = ("H2D", "D2H"),
+                     ) -> float:
+    """Share of copy time during which a kernel ran too: 0 = fully serial, 1 = fully hidden."""
+    copies = _union((a.start_us, a.end_us) for a in activities if a.kind in copy_kinds)
+    kernels = _union((a.start_us, a.end_us) for a in activities if a.kind == "kernel")
+    copy_time = _length(copies)
+    if copy_time == 0:
+        raise ValueError(f"no copies of kinds {tuple(copy_kinds)} among the activities")
+    return _intersection(copies, kernels) / copy_time
+
+
+KIND_COLORS = {"kernel": "#4C72B0", "H2D": "#DD8452", "D2H": "#55A868", "D2D": "#8172B3",
+               "memset": "#937860"}
+
+
+def stream_lane_id(stream: torch.cuda.Stream) -> int | None:
+    """The id under which the profiler lists ``stream`` (the driver's cuStreamGetId), if known."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        value = ctypes.c_ulonglong()
+        if driver.cuStreamGetId(ctypes.c_void_p(stream.cuda_stream), ctypes.byref(value)):
+            return None
+        return value.value
+    except (OSError, AttributeError):
+        return None
+
+
+def plot_timeline(activities: Sequence[Activity], *, title: str = "", ax=None,
+                  stream_names: dict | None = None):
+    """Draw one lane per stream, one coloured bar per activity. Returns the figure.
+
+    ``stream_names`` maps streams (``torch.cuda.Stream`` objects or profiler ids) to lane labels.
+    """
+    if ax is None:
+        lanes = len({a.stream for a in activities})
+        _, ax = plt.subplots(figsize=(9, 0.7 + 0.55 * max(lanes, 1)))
+    streams = sorted({a.stream for a in activities})
+    names = {}
+    for key, label in (stream_names or {}).items():
+        names[key if isinstance(key, int) else stream_lane_id(key)] = label
+    for row, stream in enumerate(streams):
+        for kind, color in KIND_COLORS.items():
+            spans = [(a.start_us / 1e3, a.duration_us / 1e3) for a in activities
+                     if a.stream == stream and a.kind == kind]
+            if spans:
+                ax.broken_barh(spans, (row - 0.35, 0.7), facecolors=color, edgecolor="none")
+    ax.set_yticks(range(len(streams)), [names.get(s, f"stream {s}") for s in streams])
+    ax.set_ylim(-0.6, len(streams) - 0.4)
+    ax.invert_yaxis()
+    ax.set_xlabel("time on the device (ms)")
+    present = [k for k in KIND_COLORS if any(a.kind == k for a in activities)]
+    ax.legend(handles=[matplotlib.patches.Patch(color=KIND_COLORS[k], label=k) for k in present],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    if title:
+        ax.set_title(title)
+    return ax.figure
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Figures
+# --------------------------------------------------------------------------------------------
+
+STYLE = {
+    "figure.figsize": (7.5, 4.0), "figure.dpi": 100, "savefig.dpi": 110,
+    "savefig.bbox": "tight", "font.size": 10, "axes.titlesize": 11, "axes.titleweight": "bold",
+    "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True,
+    "grid.alpha": 0.3, "legend.frameon": False,
+    "axes.prop_cycle": matplotlib.cycler(color=["#4C72B0", "#DD8452", "#55A868", "#C44E52",
+                                                "#8172B3", "#937860"]),
+}
+matplotlib.rcParams.update(STYLE)
+
+
+def plot_timings(timings: dict[str, Timing | float], *, title: str = "", unit: str = "ms",
+                 log: bool = True, reference: tuple[float, str] | None = None, ax=None):
+    """Horizontal bars of medians with interquartile whiskers (plain floats: bars alone).
+
+    ``reference`` draws a labelled vertical line, e.g. the device time everything is compared to.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.5, 0.9 + 0.45 * len(timings)))
+    names = list(timings)
+    medians = [t.median_ms if isinstance(t, Timing) else float(t) for t in timings.values()]
+    errors = [[t.median_ms - t.q1_ms if isinstance(t, Timing) else 0 for t in timings.values()],
+              [t.q3_ms - t.median_ms if isinstance(t, Timing) else 0 for t in timings.values()]]
+    ax.barh(names, medians, xerr=errors, color=[f"C{i % 6}" for i in range(len(names))],
+            capsize=3)
+    for row, value in enumerate(medians):
+        ax.annotate(f" {value:.3g} {unit}", (value, row), va="center", fontsize=9)
+    if reference is not None:
+        ax.axvline(reference[0], color="0.3", linestyle="--", linewidth=1)
+        ax.annotate(reference[1], (reference[0], len(names) - 0.5), fontsize=9, color="0.3",
+                    ha="left", va="bottom")
+    if log:
+        ax.set_xscale("log")
+    ax.invert_yaxis()
+    ax.grid(axis="y", visible=False)
+    ax.set_xlabel(f"time ({unit}{', log scale' if log else ''})")
+    if title:
+        ax.set_title(title)
+    return ax.figure
+
+
+def save_figure(fig, name: str, directory: Path = FIGURES_DIR) -> Path:
+    """Save ``fig`` as ``figures/<name>.png``; no timestamp or version metadata, so it is
+    byte-for-byte the same whenever the same data is drawn."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.png"
+    fig.savefig(path, format="png", metadata={"Software": None})
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# 6. Results and claims
+# --------------------------------------------------------------------------------------------
+
+MEASUREMENTS: dict[str, dict] = {}
+
+
+class ClaimFailed(AssertionError):
+    """A claim the notebook makes did not hold on this machine; Jupyter shows one line."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+def _emit(text: str, metadata: dict) -> None:
+    """Show ``text``; in a notebook also store ``metadata`` with the output (nbval ignores it)."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is not None and get_ipython() is not None:
+        display({"text/plain": text}, raw=True, metadata={METADATA_KEY: metadata})
+    else:
+        print(text)
+
+
+def record(key: str, value: float, unit: str, label: str, *, headline: bool = False) -> float:
+    """Show a measured value and keep it, machine-readable, in the notebook's output metadata.
+
+    ``headline`` values are the ones the README's table quotes for this notebook.
+    """
+    entry = {"key": key, "value": float(value), "unit": unit, "label": label,
+             "headline": headline}
+    MEASUREMENTS[key] = entry
+    _emit(f"{label}: {format_value(value, unit)}", {"measurement": entry})
+    return float(value)
+
+
+def format_value(value: float, unit: str) -> str:
+    if unit in ("x", ""):
+        return f"{value:.3g}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+OPERATORS = {"<": float.__lt__, "<=": float.__le__, ">": float.__gt__, ">=": float.__ge__}
+
+
+def evaluate_claim(claim: dict, measurements: dict[str, dict]) -> bool:
+    """Whether ``lhs op factor * rhs`` holds for the recorded values (rhs: a key or a number)."""
+    lhs = measurements[claim["lhs"]]["value"]
+    rhs = claim["rhs"]
+    rhs = measurements[rhs]["value"] if isinstance(rhs, str) else rhs
+    return OPERATORS[claim["op"]](float(lhs), float(claim["factor"] * rhs))
+
+
+def claim(statement: str, lhs: str, op: str, rhs: str | float, *, factor: float = 1.0) -> None:
+    """Check ``lhs op factor * rhs`` on recorded measurements; stop the notebook if it fails.
+
+    Claims are directions and ratios that should hold on any CUDA GPU. The line shown has no
+    numbers in it, so nbval can compare it across machines.
+    """
+    if op not in OPERATORS:
+        raise ValueError(f"op must be one of {sorted(OPERATORS)}")
+    entry = {"statement": statement, "lhs": lhs, "op": op, "rhs": rhs, "factor": factor}
+    if not evaluate_claim(entry, MEASUREMENTS):
+        rhs_value = MEASUREMENTS[rhs]["value"] if isinstance(rhs, str) else rhs
+        raise ClaimFailed(f"'{statement}' does not hold here: {lhs} = "
+                          f"{MEASUREMENTS[lhs]['value']:.4g}, {op} {factor:g} x {rhs_value:.4g}"
+                          " is false")
+    _emit(f"claim holds: {statement}", {"claim": entry})

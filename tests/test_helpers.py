@@ -1,0 +1,286 @@
+"""Unit tests of helpers.py; parts that need a GPU are skipped, with the reason, without CUDA."""
+
+import math
+import time
+
+import pytest
+import torch
+
+import helpers
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+
+
+# ---------------------------------------------------------------------------- environment
+
+
+def test_pcie_link_rates_per_direction():
+    assert helpers.pcie_link_gbps(5, 16) == pytest.approx(63.0, abs=0.05)
+    assert helpers.pcie_link_gbps(4, 16) == pytest.approx(31.5, abs=0.05)
+    assert helpers.pcie_link_gbps(3, 16) == pytest.approx(15.75, abs=0.05)
+    assert helpers.pcie_link_gbps(1, 1) == pytest.approx(0.25)
+    assert helpers.pcie_link_gbps(None, 16) is None
+    assert helpers.pcie_link_gbps(5, None) is None
+    assert helpers.pcie_link_gbps(9, 16) is None
+
+
+def test_environment_report_prints_a_compact_table(capsys):
+    env = helpers.environment_report()
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["torch", "GPU", "host", "host"]
+    assert env["torch"] == torch.__version__
+    assert env["host_ram_gib"] > 0
+    assert env["cuda_available"] == torch.cuda.is_available()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report of a CPU-only machine")
+def test_environment_without_cuda_degrades_gracefully():
+    env = helpers.environment()
+    assert env["gpu"] is None and env["link_gbps"] is None
+    assert "none visible" in helpers.format_environment(env)
+
+
+@needs_cuda
+def test_environment_with_cuda_reads_the_gpu_and_its_link():
+    env = helpers.environment()
+    assert env["gpu"] == torch.cuda.get_device_name()
+    assert env["gpu_memory_gib"] > 1
+    assert env["link_gbps"] is None or env["link_gbps"] > 0.2
+    assert env["copy_engines"] is None or env["copy_engines"] >= 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the guard only fires without CUDA")
+def test_cuda_guard_stops_with_one_actionable_line(monkeypatch):
+    monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
+    with pytest.raises(helpers.CUDARequired) as raised:
+        helpers.require_cuda()
+    rendered = raised.value._render_traceback_()
+    assert len(rendered) == 1 and "NVIDIA GPU" in rendered[0]
+    monkeypatch.setenv("COLAB_RELEASE_TAG", "test")
+    with pytest.raises(helpers.CUDARequired, match="Runtime > Change runtime type"):
+        helpers.require_cuda()
+
+
+@needs_cuda
+def test_cuda_guard_passes_with_cuda():
+    assert helpers.require_cuda().type == "cuda"
+
+
+# ---------------------------------------------------------------------------- Colab set-up
+
+
+def test_colab_install_pins_the_installed_torch_and_never_installs_torch():
+    command = helpers.pip_install_command(["tensordict"], "/tmp/pins.txt")
+    assert command[-1] == "tensordict"
+    assert command[command.index("-c") + 1] == "/tmp/pins.txt"
+    for spec in ("torch", "torch>=2.11", "torch==2.11.0"):
+        with pytest.raises(ValueError):
+            helpers.pip_install_command([spec], "/tmp/pins.txt")
+
+
+def test_colab_setup_does_nothing_elsewhere(monkeypatch):
+    monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
+    assert helpers.colab_setup(["a_package_that_does_not_exist"]) == []
+
+
+def test_missing_packages():
+    assert helpers.missing_packages(["json", "a_package_that_does_not_exist"]) == [
+        "a_package_that_does_not_exist"]
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def test_timing_statistics():
+    timing = helpers.Timing((4.0, 1.0, 3.0, 2.0, 5.0), "test")
+    assert timing.median_ms == 3.0
+    assert (timing.q1_ms, timing.q3_ms, timing.iqr_ms) == (2.0, 4.0, 2.0)
+    assert timing.gbps(3_000_000) == pytest.approx(1.0)
+    assert "3 ms median" in str(timing) and "n=5" in str(timing)
+    assert "us" in str(helpers.Timing((0.05,), "test"))
+
+
+def test_bandwidth_is_decimal_gigabytes_per_second():
+    assert helpers.bandwidth_gbps(10**9, 1000.0) == 1.0
+    assert helpers.bandwidth_gbps(2**30, 20.0) == pytest.approx(53.687, rel=1e-4)
+
+
+def test_time_host_counts_calls_and_measures_the_call():
+    calls = []
+
+    def sleep_2ms():
+        calls.append(1)
+        time.sleep(0.002)
+
+    timing = helpers.time_host(sleep_2ms, sync=True, warmup=2, repeat=5)
+    assert len(calls) == 7 and len(timing.samples_ms) == 5
+    assert 2.0 <= timing.median_ms < 50
+    assert timing.method == "host clock, synchronised"
+    assert helpers.time_host(sleep_2ms, sync=False, repeat=3).method == "host clock, no sync"
+
+
+def test_benchmark_uses_torch_utils_benchmark():
+    timing = helpers.benchmark(lambda: time.sleep(0.001), min_run_time=0.05)
+    assert timing.method == "torch.utils.benchmark"
+    assert 1.0 <= timing.median_ms < 50
+
+
+@needs_cuda
+def test_cuda_events_see_queued_device_work():
+    timing = helpers.time_cuda(lambda: helpers.gpu_busy(5.0), warmup=1, repeat=5)
+    assert 3.0 < timing.median_ms < 8.0
+    assert helpers.time_host(lambda: helpers.gpu_busy(5.0), sync=False).median_ms < 1.0
+
+
+@needs_cuda
+def test_sync_probe_tells_a_synchronising_call_from_an_asynchronous_one():
+    x = torch.ones(1000, device="cuda")
+    item = helpers.sync_probe(lambda: x.sum().item(), busy_ms=30)
+    add = helpers.sync_probe(lambda: x + 1, busy_ms=30)
+    assert item.blocked and item.warned
+    assert not add.blocked and not add.warned
+    assert torch.cuda.get_sync_debug_mode() == 0  # restored
+
+
+# ---------------------------------------------------------------------------- profiling
+
+
+def _event(cat, name, ts, dur, stream, nbytes=None):
+    args = {"stream": stream, **({"bytes": nbytes} if nbytes else {})}
+    return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
+            "args": args}
+
+
+SYNTHETIC_TRACE = {"traceEvents": [
+    {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "pid": 1, "tid": 1, "ts": 50, "dur": 9},
+    _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 1000.0, 400.0, 13, 1 << 20),
+    _event("kernel", "void some_kernel<float>()", 1100.0, 200.0, 7),
+    _event("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", 1500.0, 100.0, 7, 4096),
+    _event("gpu_memset", "Memset (Device)", 1600.0, 1.0, 7),
+    _event("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 1700.0, 10.0, 7),
+    {"ph": "f", "cat": "ac2g", "name": "flow", "ts": 1000, "id": 1},
+]}
+
+
+def test_parse_chrome_trace_keeps_device_activity_per_stream():
+    acts = helpers.parse_chrome_trace(SYNTHETIC_TRACE)
+    assert [a.kind for a in acts] == ["H2D", "kernel", "D2H", "memset", "D2D"]
+    h2d = acts[0]
+    assert (h2d.stream, h2d.start_us, h2d.end_us, h2d.nbytes) == (13, 0.0, 400.0, 1 << 20)
+    assert acts[1].stream == 7 and acts[1].duration_us == 200.0
+    assert helpers.parse_chrome_trace([]) == []
+
+
+def _spans(*spans):
+    return [helpers.Activity(0, kind, kind, s, e) for kind, s, e in spans]
+
+
+def test_overlap_fraction():
+    assert helpers.overlap_fraction(_spans(("H2D", 0, 10), ("kernel", 0, 10))) == 1.0
+    assert helpers.overlap_fraction(_spans(("H2D", 0, 10), ("kernel", 10, 20))) == 0.0
+    assert helpers.overlap_fraction(_spans(("H2D", 0, 10), ("kernel", 5, 20))) == 0.5
+    # copies are a union: two overlapping copies count once; two kernels likewise
+    acts = _spans(("H2D", 0, 10), ("D2H", 5, 20), ("kernel", 0, 4), ("kernel", 2, 6))
+    assert helpers.overlap_fraction(acts) == pytest.approx(6 / 20)
+    assert helpers.overlap_fraction(acts, copy_kinds=("D2H",)) == pytest.approx(1 / 15)
+    with pytest.raises(ValueError):
+        helpers.overlap_fraction(_spans(("kernel", 0, 1)))
+
+
+@needs_cuda
+def test_profile_activities_sees_a_side_stream_copy_overlap_a_kernel():
+    src = torch.empty(64 << 20, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    side = torch.cuda.Stream()
+
+    def work():
+        helpers.gpu_busy(20)
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.current_stream().wait_stream(side)
+
+    acts = helpers.profile_activities(work)
+    assert {a.kind for a in acts} >= {"H2D", "kernel"}
+    assert any(a.nbytes == src.numel() for a in acts if a.kind == "H2D")
+    assert helpers.overlap_fraction(acts) > 0.9
+
+
+# ---------------------------------------------------------------------------- figures
+
+
+def test_timeline_figure_is_saved_deterministically(tmp_path):
+    acts = helpers.parse_chrome_trace(SYNTHETIC_TRACE)
+    paths = []
+    for name in ("a", "b"):
+        fig = helpers.plot_timeline(acts, title="synthetic", stream_names={7: "default"})
+        paths.append(helpers.save_figure(fig, name, directory=tmp_path))
+        helpers.plt.close(fig)
+    first, second = (p.read_bytes() for p in paths)
+    assert paths[0].name == "a.png" and first[:8] == b"\x89PNG\r\n\x1a\n"
+    assert first == second
+    assert b"matplotlib" not in first.lower()  # no version string, no timestamp
+
+
+# ---------------------------------------------------------------------------- results and claims
+
+
+@pytest.fixture
+def fresh_measurements(monkeypatch):
+    monkeypatch.setattr(helpers, "MEASUREMENTS", {})
+    return helpers.MEASUREMENTS
+
+
+def test_record_shows_and_keeps_a_value(fresh_measurements, capsys):
+    assert helpers.record("copy_ms", 1.23456, "ms", "one copy", headline=True) == 1.23456
+    assert capsys.readouterr().out == "one copy: 1.23 ms\n"
+    assert fresh_measurements["copy_ms"] == {"key": "copy_ms", "value": 1.23456, "unit": "ms",
+                                             "label": "one copy", "headline": True}
+    helpers.record("speedup", 7.0, "x", "speed-up")
+    assert capsys.readouterr().out == "speed-up: 7x\n"
+
+
+def test_claim_holds_or_stops_with_one_line(fresh_measurements, capsys):
+    helpers.record("fast_ms", 1.0, "ms", "fast")
+    helpers.record("slow_ms", 10.0, "ms", "slow")
+    capsys.readouterr()
+    helpers.claim("fast is under a fifth of slow", "fast_ms", "<", "slow_ms", factor=0.2)
+    assert capsys.readouterr().out == "claim holds: fast is under a fifth of slow\n"
+    helpers.claim("fast is over half a millisecond", "fast_ms", ">", 0.5)
+    with pytest.raises(helpers.ClaimFailed) as failed:
+        helpers.claim("fast is under a tenth of slow", "fast_ms", "<", "slow_ms", factor=0.05)
+    assert len(failed.value._render_traceback_()) == 1
+    assert "fast is under a tenth of slow" in str(failed.value)
+    with pytest.raises(ValueError):
+        helpers.claim("nonsense", "fast_ms", "!=", "slow_ms")
+
+
+def test_evaluate_claim_reads_recorded_values():
+    measured = {"a": {"value": 2.0}, "b": {"value": 3.0}}
+    assert helpers.evaluate_claim({"lhs": "a", "op": "<", "rhs": "b", "factor": 1.0}, measured)
+    assert not helpers.evaluate_claim({"lhs": "a", "op": ">=", "rhs": "b", "factor": 1.0},
+                                      measured)
+    assert helpers.evaluate_claim({"lhs": "b", "op": ">", "rhs": 2.5, "factor": 1.0}, measured)
+    assert math.isclose(measured["a"]["value"], 2.0)
+
+
+def test_plot_timings_draws_timings_and_plain_numbers(tmp_path):
+    fig = helpers.plot_timings({"a": helpers.Timing((1.0, 2.0, 3.0), "t"), "b": 0.5},
+                               title="t", reference=(2.0, "ref"))
+    ax = fig.axes[0]
+    assert [p.get_width() for p in ax.patches] == [2.0, 0.5]
+    assert ax.get_xscale() == "log"
+    helpers.plt.close(fig)
+
+
+@needs_cuda
+def test_stream_lane_id_names_the_profiler_lane():
+    side = torch.cuda.Stream()
+    src = torch.ones(1 << 20, device="cuda")
+
+    def work():
+        with torch.cuda.stream(side):
+            src.mul_(2)
+        torch.cuda.current_stream().wait_stream(side)
+
+    acts = helpers.profile_activities(work)
+    assert {a.stream for a in acts if a.kind == "kernel"} == {helpers.stream_lane_id(side)}

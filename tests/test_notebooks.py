@@ -1,0 +1,137 @@
+"""Static checks of every committed notebook (CPU tier: no kernel, no GPU).
+
+The committed outputs must come from one clean top-to-bottom GPU run of exactly the committed
+code; these tests catch a notebook edited without re-running, a hand-edited output, a broken
+format and claims that the recorded measurements do not support.
+"""
+
+import copy
+import re
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from tools import nbtool
+
+ROOT = nbtool.ROOT
+NOTEBOOKS = nbtool.notebook_paths()
+IMAGE_LINK = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)|<img[^>]+src=\"([^\"]+)\"")
+
+
+def test_the_collection_has_notebooks():
+    assert NOTEBOOKS, "no notebooks found in notebooks/"
+
+
+@pytest.fixture(params=NOTEBOOKS, ids=lambda p: p.name)
+def notebook(request):
+    return request.param, nbtool.read(request.param)
+
+
+def test_valid_nbformat(notebook):
+    path, nb = notebook
+    nbformat.validate(nb)
+
+
+def test_canonical_format(notebook):
+    path, nb = notebook
+    assert nbtool.format_problems(path, nb, nbtool.settings()) == []
+
+
+def test_outputs_come_from_one_clean_top_to_bottom_run(notebook):
+    path, nb = notebook
+    counts = [c.execution_count for c in nb.cells if c.cell_type == "code"]
+    assert counts == list(range(1, len(counts) + 1)), (
+        f"{path.name}: execution counts {counts} are not 1..{len(counts)}; "
+        f"run it with: python tools/nbtool.py run notebooks/{path.name}")
+
+
+def test_no_error_outputs_unless_expected(notebook):
+    path, nb = notebook
+    for index, cell in enumerate(nb.cells):
+        if "raises-exception" in cell.metadata.get("tags", []):
+            continue
+        for output in cell.get("outputs", []):
+            assert output.output_type != "error", (
+                f"{path.name}, cell {index}: {output.ename}: {output.evalue}")
+
+
+def test_provenance_matches_the_code(notebook):
+    path, nb = notebook
+    assert nbtool.provenance_problems(nb, path.name) == []
+    stamp = nb.metadata[nbtool.METADATA_KEY]["provenance"]
+    assert stamp["gpu"], f"{path.name} was not executed on a GPU"
+    for key in ("torch", "cuda", "date", "wall_seconds"):
+        assert stamp.get(key), f"{path.name}: provenance lacks {key}"
+
+
+def test_a_changed_code_cell_is_caught(notebook):
+    path, nb = notebook
+    edited = copy.deepcopy(nb)
+    cell = next(c for c in edited.cells if c.cell_type == "code" and not nbtool.is_setup_cell(c))
+    cell.source += "\nprint('edited')"
+    problems = nbtool.provenance_problems(edited, path.name)
+    assert problems and path.name in problems[0] and "nbtool.py run" in problems[0]
+
+
+def test_recorded_measurements_support_the_claims(notebook):
+    path, nb = notebook
+    measured = {m["key"]: m for m in nbtool.outputs_metadata(nb, "measurement")}
+    claims = nbtool.outputs_metadata(nb, "claim")
+    assert claims, f"{path.name} states no claim"
+    assert any(m["headline"] for m in measured.values()), f"{path.name} has no headline result"
+    import helpers
+
+    for claim in claims:
+        for side in ("lhs", "rhs"):
+            if isinstance(claim[side], str):
+                assert claim[side] in measured, f"{path.name}: {claim[side]} was never recorded"
+        assert helpers.evaluate_claim(claim, measured), (
+            f"{path.name}: the recorded numbers contradict '{claim['statement']}'")
+
+
+def _image_links(text: str) -> list[str]:
+    return [a or b for a, b in IMAGE_LINK.findall(text)]
+
+
+def test_referenced_figures_exist():
+    sources = [(ROOT / "README.md", (ROOT / "README.md").read_text())]
+    for path in NOTEBOOKS:
+        nb = nbtool.read(path)
+        sources += [(path, c.source) for c in nb.cells if c.cell_type == "markdown"]
+    missing = [f"{doc.name}: {link}" for doc, text in sources for link in _image_links(text)
+               if not link.startswith("http") and not (doc.parent / link).exists()]
+    assert missing == []
+
+
+def test_figures_are_named_after_their_notebook():
+    numbers = {p.name[:2] for p in NOTEBOOKS}
+    strays = [p.name for p in (ROOT / "figures").glob("*.png")
+              if not re.match(r"\d\d_", p.name) or p.name[:2] not in numbers]
+    assert strays == []
+
+
+def test_readme_table_is_current():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = nbtool.readme_table(NOTEBOOKS, nbtool.settings())
+    assert nbtool.readme_with_table(readme, table) == readme, (
+        "README.md's notebook table is stale: python tools/nbtool.py check --fix")
+
+
+def test_ruff_is_clean():
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "helpers.py",
+                             "conftest.py", "tests", "tools", "notebooks"],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "\npytest\n" in readme and re.search(r"^\s*(python -m )?pytest\s*$", ci, re.M)
+
+
+def test_sanitize_file_is_ascii():
+    # nbval reads it with the platform's default encoding
+    assert (ROOT / "tests" / "sanitize.cfg").read_text(encoding="utf-8").isascii()

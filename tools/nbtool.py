@@ -1,0 +1,329 @@
+"""Maintain the notebook collection: execute with provenance, keep the format canonical.
+
+    python tools/nbtool.py run [NOTEBOOK ...]   execute on a GPU machine (default: all), stamp
+                                                provenance, save outputs, refresh the README table
+    python tools/nbtool.py check [--fix]        format check: header and badge, set-up cell,
+                                                Colab metadata, README table (--fix rewrites them)
+    python tools/nbtool.py new NN_topic "Title" "The question?"   start a notebook in the format
+
+The tests import the functions below, so that what `run` stamps and what the tests verify is
+computed by one piece of code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import re
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+README = ROOT / "README.md"
+METADATA_KEY = "collection"  # same namespace as helpers.METADATA_KEY
+NAME_PATTERN = re.compile(r"^(\d\d)_[a-z0-9_]+\.ipynb$")
+SETUP_TAG = "colab-setup"
+CPU_OK_TAG = "cpu-ok"
+TABLE_START, TABLE_END = "<!-- notebook-table:start -->", "<!-- notebook-table:end -->"
+
+
+def settings() -> dict:
+    """The [tool.collection] table of pyproject.toml: where the repository is published."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["collection"]
+
+
+def notebook_paths() -> list[Path]:
+    return sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def read(path: Path) -> nbformat.NotebookNode:
+    return nbformat.read(path, as_version=4)
+
+
+def write(nb: nbformat.NotebookNode, path: Path) -> None:
+    nbformat.write(nb, path)
+
+
+# ---------------------------------------------------------------------------- provenance
+
+
+def is_setup_cell(cell) -> bool:
+    return cell.cell_type == "code" and SETUP_TAG in cell.metadata.get("tags", [])
+
+
+def code_sha256(nb) -> str:
+    """Hash of the code the outputs depend on: every code cell but the canonical set-up cell
+    (which only locates helpers.py and is checked separately, so publishing needs no re-run)."""
+    sources = [c.source for c in nb.cells if c.cell_type == "code" and not is_setup_cell(c)]
+    return hashlib.sha256(json.dumps(sources).encode()).hexdigest()
+
+
+def helpers_sha256() -> str:
+    return hashlib.sha256((ROOT / "helpers.py").read_bytes()).hexdigest()
+
+
+def provenance_problems(nb, name: str) -> list[str]:
+    """Why the committed outputs may not come from the committed code (empty list: they do)."""
+    stamp = nb.metadata.get(METADATA_KEY, {}).get("provenance")
+    rerun = f"re-run it on a GPU: python tools/nbtool.py run notebooks/{name}"
+    if not stamp:
+        return [f"{name} has no provenance stamp: {rerun}"]
+    problems = []
+    if stamp.get("code_sha256") != code_sha256(nb):
+        problems.append(f"{name}: its code cells changed since its outputs were made; {rerun}")
+    if stamp.get("helpers_sha256") != helpers_sha256():
+        problems.append(f"{name}: helpers.py changed since its outputs were made; {rerun}")
+    return problems
+
+
+def kernel_peak_rss_mib(client) -> float | None:
+    """Peak resident memory of the notebook's kernel process (Linux /proc), if readable."""
+    process = getattr(getattr(client.km, "provisioner", None), "process", None)
+    try:
+        status = Path(f"/proc/{process.pid}/status").read_text()
+    except (AttributeError, OSError):
+        return None
+    match = re.search(r"VmHWM:\s+(\d+) kB", status)
+    return int(match.group(1)) / 1024 if match else None
+
+
+def execute(path: Path, timeout: int = 600) -> dict:
+    """Run a notebook top to bottom in a fresh kernel in its folder; stamp and save it."""
+    import torch
+    from nbclient import NotebookClient
+
+    nb = read(path)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    peak = {"rss": None}
+
+    def on_cell_executed(**_):
+        peak["rss"] = kernel_peak_rss_mib(client) or peak["rss"]
+
+    client.on_cell_executed = on_cell_executed
+    start = time.perf_counter()
+    client.execute()
+    wall = time.perf_counter() - start
+    nb.metadata.setdefault(METADATA_KEY, {})["provenance"] = {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "date": dt.datetime.now(dt.UTC).date().isoformat(),
+        "wall_seconds": round(wall, 1),
+        "kernel_peak_rss_mib": None if peak["rss"] is None else round(peak["rss"]),
+        "code_sha256": code_sha256(nb), "helpers_sha256": helpers_sha256(),
+    }
+    fix(nb, path, settings())
+    write(nb, path)
+    return nb.metadata[METADATA_KEY]["provenance"]
+
+
+# ---------------------------------------------------------------------------- format
+
+
+def colab_url(name: str, conf: dict) -> str:
+    return (f"https://colab.research.google.com/github/{conf['repository']}/blob/"
+            f"{conf['branch']}/notebooks/{name}")
+
+
+def badge(name: str, conf: dict) -> str:
+    return ("[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+            f"({colab_url(name, conf)})")
+
+
+def header_source(name: str, nb, conf: dict) -> str:
+    info = nb.metadata.get(METADATA_KEY, {})
+    number = name[:2]
+    return (f"# {number} · {info.get('title', '')}\n\n{badge(name, conf)}\n\n"
+            f"**The question:** {info.get('question', '')}")
+
+
+def setup_source(conf: dict) -> str:
+    raw = f"https://raw.githubusercontent.com/{conf['repository']}/{conf['branch']}/helpers.py"
+    return f'''\
+# Set-up: find helpers.py (on Colab: download it, and install what Colab lacks, never torch).
+import os
+import sys
+
+if "google.colab" in sys.modules and not os.path.exists("helpers.py"):
+    import urllib.request
+
+    helpers_url = "{raw}"
+    urllib.request.urlretrieve(helpers_url, "helpers.py")
+sys.path.insert(0, ".." if os.path.exists("../helpers.py") else ".")
+import helpers  # noqa: E402
+
+helpers.colab_setup()'''
+
+
+CANONICAL_METADATA = {
+    "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+    "accelerator": "GPU",
+    "colab": {"gpuType": "T4", "provenance": []},
+}
+
+
+def format_problems(path: Path, nb, conf: dict) -> list[str]:
+    name = path.name
+    problems = []
+    if not NAME_PATTERN.match(name):
+        problems.append(f"{name}: file name should look like NN_short_topic.ipynb")
+    info = nb.metadata.get(METADATA_KEY, {})
+    if not info.get("title") or not info.get("question"):
+        problems.append(f"{name}: metadata.{METADATA_KEY} needs a title and a question")
+    for key, value in CANONICAL_METADATA.items():
+        if nb.metadata.get(key) != value:
+            problems.append(f"{name}: metadata.{key} should be {value}")
+    cells = nb.cells
+    if not cells or cells[0].cell_type != "markdown" or cells[0].source != header_source(
+            name, nb, conf):
+        problems.append(f"{name}: the first cell should be the canonical header with the "
+                        "Colab badge")
+    if len(cells) < 2 or not is_setup_cell(cells[1]) or cells[1].source != setup_source(conf) \
+            or CPU_OK_TAG not in cells[1].metadata.get("tags", []):
+        problems.append(f"{name}: the second cell should be the canonical set-up cell, tagged "
+                        f"{SETUP_TAG} and {CPU_OK_TAG}")
+    return problems
+
+
+def fix(nb, path: Path, conf: dict) -> None:
+    """Rewrite the header, the set-up cell and the Colab metadata into canonical form."""
+    for key, value in CANONICAL_METADATA.items():
+        nb.metadata[key] = value
+    header = nbformat.v4.new_markdown_cell(header_source(path.name, nb, conf))
+    if nb.cells and nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# "):
+        nb.cells[0].source = header.source
+    else:
+        nb.cells.insert(0, header)
+    if len(nb.cells) > 1 and is_setup_cell(nb.cells[1]):
+        nb.cells[1].source = setup_source(conf)
+    else:
+        nb.cells.insert(1, nbformat.v4.new_code_cell(setup_source(conf)))
+    tags = nb.cells[1].metadata.setdefault("tags", [])
+    for tag in (SETUP_TAG, CPU_OK_TAG):
+        if tag not in tags:
+            tags.append(tag)
+
+
+# ---------------------------------------------------------------------------- recorded results
+
+
+def outputs_metadata(nb, kind: str) -> list[dict]:
+    """Every ``kind`` ("measurement" or "claim") that helpers.record/claim left in outputs."""
+    found = []
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            entry = output.get("metadata", {}).get(METADATA_KEY, {}).get(kind)
+            if entry is not None:
+                found.append(entry)
+    return found
+
+
+def readme_table(paths: list[Path], conf: dict) -> str:
+    rows = ["| # | notebook: the question | headline result (committed run) | |",
+            "|---|---|---|---|"]
+    runs = set()
+    for path in paths:
+        nb = read(path)
+        info = nb.metadata.get(METADATA_KEY, {})
+        headlines = [m for m in outputs_metadata(nb, "measurement") if m.get("headline")]
+        result = "; ".join(f"{m['label']}: {_value(m)}" for m in headlines) or "not run yet"
+        rows.append(f"| {path.name[:2]} | [{info.get('title', path.stem)}](notebooks/"
+                    f"{path.name}): {info.get('question', '')} | {result} | "
+                    f"{badge(path.name, conf)} |")
+        stamp = info.get("provenance")
+        if stamp:
+            runs.add(f"{stamp['gpu']}, torch {stamp['torch']} (CUDA {stamp['cuda']}), "
+                     f"Python {stamp['python']}")
+    source = "; ".join(sorted(runs)) or "no notebook has been executed yet"
+    return "\n".join(rows) + f"\n\nCommitted outputs come from: {source}."
+
+
+def _value(measurement: dict) -> str:
+    value, unit = measurement["value"], measurement["unit"]
+    return f"{value:.3g}{unit}" if unit in ("x", "") else f"{value:.3g} {unit}"
+
+
+def readme_with_table(text: str, table: str) -> str:
+    start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)
+    return text[:start] + "\n" + table + "\n" + text[end:]
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def _check(fix_mode: bool) -> int:
+    conf = settings()
+    problems = []
+    for path in notebook_paths():
+        nb = read(path)
+        found = format_problems(path, nb, conf)
+        if found and fix_mode:
+            fix(nb, path, conf)
+            write(nb, path)
+            found = format_problems(path, read(path), conf)
+        problems += found
+    readme = README.read_text(encoding="utf-8")
+    wanted = readme_with_table(readme, readme_table(notebook_paths(), conf))
+    if readme != wanted:
+        if fix_mode:
+            README.write_text(wanted, encoding="utf-8")
+        else:
+            problems.append("README.md: the notebook table is out of date")
+    for problem in problems:
+        print(problem)
+    hint = "" if fix_mode else " (python tools/nbtool.py check --fix rewrites them)"
+    print(f"{len(problems)} problem(s){hint}" if problems else "format ok")
+    return 1 if problems else 0
+
+
+def _new(stem: str, title: str, question: str) -> int:
+    path = NOTEBOOKS / f"{stem}.ipynb"
+    if path.exists():
+        raise SystemExit(f"{path} exists")
+    nb = nbformat.v4.new_notebook()
+    nb.metadata[METADATA_KEY] = {"title": title, "question": question}
+    fix(nb, path, settings())
+    write(nb, path)
+    print(f"created {path.relative_to(ROOT)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="execute notebooks with provenance (default: all)")
+    run.add_argument("notebooks", nargs="*", type=Path)
+    run.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    check = sub.add_parser("check", help="check the notebooks' canonical format")
+    check.add_argument("--fix", action="store_true")
+    new = sub.add_parser("new", help="create a notebook in the canonical format")
+    new.add_argument("stem")
+    new.add_argument("title")
+    new.add_argument("question")
+    args = parser.parse_args(argv)
+    if args.command == "check":
+        return _check(args.fix)
+    if args.command == "new":
+        return _new(args.stem, args.title, args.question)
+    for path in [p.resolve() for p in args.notebooks] or notebook_paths():
+        print(f"executing {path.name} ...", flush=True)
+        stamp = execute(path, args.timeout)
+        print(f"  {stamp['wall_seconds']} s wall, kernel peak RSS "
+              f"{stamp['kernel_peak_rss_mib']} MiB, on {stamp['gpu']}", flush=True)
+    README.write_text(readme_with_table(README.read_text(encoding="utf-8"),
+                                        readme_table(notebook_paths(), settings())),
+                      encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
