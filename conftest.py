@@ -2,16 +2,26 @@
 
 - Without CUDA, a notebook's cells run up to its first code cell not tagged ``cpu-ok``; that
   cell and every later one are skipped with the reason "requires CUDA".
+- Figures saved during a test run go to a temporary folder.
 - After a cell fails, the rest of its notebook is skipped, so one failure reads as one failure
   and not as a cascade of NameErrors.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 CPU_OK_TAG = "cpu-ok"
 _failed_notebooks: set[str] = set()
+
+
+def pytest_configure(config):
+    # Notebooks re-run under test save their figures here, not over the committed ones
+    # (the kernels nbval starts inherit this environment).
+    os.environ.setdefault("COLLECTION_FIGURES_DIR", tempfile.mkdtemp(prefix="figures-"))
 
 
 def _is_notebook_cell(item) -> bool:

@@ -6,9 +6,10 @@ or on Colab downloads this one file). Sections:
 1. Colab set-up      install what Colab lacks without ever touching its torch
 2. Environment       what machine the numbers come from; a guard for notebooks that need CUDA
 3. Timing            host clock, CUDA events, torch.utils.benchmark; bandwidth; sync probes
-4. Profiling         device activity as lanes, overlap fraction, timeline picture
-5. Figures           one style, deterministic PNGs in ``figures/``
-6. Results, claims   measurements recorded in output metadata; claims checked as they run
+4. Host memory       page faults, the pinned pool of PyTorch's caching host allocator
+5. Profiling         device activity as lanes, overlap fraction, timeline picture
+6. Figures           one style, deterministic PNGs in ``figures/``
+7. Results, claims   measurements recorded in output metadata; claims checked as they run
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
-FIGURES_DIR = ROOT / "figures"
+# Test runs set COLLECTION_FIGURES_DIR (conftest.py) so that they never overwrite committed figures.
+FIGURES_DIR = Path(os.environ.get("COLLECTION_FIGURES_DIR", ROOT / "figures"))
 METADATA_KEY = "collection"  # namespace in notebook and output metadata
 
 # --------------------------------------------------------------------------------------------
@@ -300,13 +302,46 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 3, repeat: int = 20) ->
     return Timing(tuple(s.elapsed_time(e) for s, e in pairs), "CUDA events")
 
 
-def benchmark(fn: Callable[[], object], *, min_run_time: float = 0.2) -> Timing:
-    """torch.utils.benchmark's blocked_autorange (it synchronises CUDA around each block)."""
+def benchmark(fn: Callable[[], object], *, min_run_time: float = 1.0) -> Timing:
+    """torch.utils.benchmark's blocked_autorange (it synchronises CUDA around each block).
+
+    It sizes blocks so that the sync costs under 1e-4 of a block, so a call of a few ms makes
+    blocks of about 0.3 s: ``min_run_time`` must cover several blocks to give a spread.
+    """
     from torch.utils import benchmark as tub
 
     measurement = tub.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(
         min_run_time=min_run_time)
     return Timing(tuple(t * 1e3 for t in measurement.times), "torch.utils.benchmark")
+
+
+def format_bytes(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def bandwidth_sweep(sizes: Sequence[int], copies: dict[str, Callable[[int], Callable[[], object]]],
+                    *, warmup: int = 2, repeat: int = 10,
+                    progress: bool = True) -> dict[str, list[Timing]]:
+    """Time each kind of copy at each size with CUDA events, printing a line per size.
+
+    ``copies[name](nbytes)`` allocates its buffers and returns a function that does one copy;
+    they are dropped before the next size, so at most one size's buffers are alive at a time.
+    """
+    results: dict[str, list[Timing]] = {name: [] for name in copies}
+    for nbytes in sizes:
+        rates = []
+        for name, make_copy in copies.items():
+            one_copy = make_copy(nbytes)
+            timing = time_cuda(one_copy, warmup=warmup, repeat=repeat)
+            del one_copy
+            results[name].append(timing)
+            rates.append(f"{name} {timing.gbps(nbytes):6.2f}")
+        if progress:
+            print(f"{format_bytes(nbytes):>9}  " + " | ".join(rates) + "  GB/s", flush=True)
+    return results
 
 
 @cache
@@ -346,7 +381,10 @@ def sync_probe(fn: Callable[[], object], *, busy_ms: float = 50.0) -> SyncProbe:
     """Does ``fn`` make the host wait for the GPU? Queue ``busy_ms`` of work, time the call.
 
     Also asks PyTorch's sync debug mode (process-wide, restored afterwards) for its opinion.
+    ``fn`` runs once before the probe: a first call can wait for one-off set-up (loading a
+    kernel's module, say) that says nothing about the operation itself.
     """
+    fn()
     torch.cuda.synchronize()
     gpu_busy(busy_ms)
     previous = torch.cuda.get_sync_debug_mode()
@@ -365,7 +403,58 @@ def sync_probe(fn: Callable[[], object], *, busy_ms: float = 50.0) -> SyncProbe:
 
 
 # --------------------------------------------------------------------------------------------
-# 4. Profiling: device activity as lanes
+# 4. Host memory: page faults and the pinned (page-locked) pool
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FaultProbe:
+    ms: float  # host wall time of the call
+    minor_faults: int  # pages the kernel had to map in during it
+
+    def __str__(self) -> str:
+        return f"{_ms(self.ms)}, {self.minor_faults} page faults"
+
+
+def fault_probe(fn: Callable[[], object]) -> FaultProbe:
+    """Time one call of ``fn`` and count the minor page faults the process took during it."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = time.perf_counter()
+    fn()
+    ms = (time.perf_counter() - start) * 1e3
+    return FaultProbe(ms, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+
+def memlock_limit() -> str:
+    """This process's RLIMIT_MEMLOCK (what ``ulimit -l`` shows), readable."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**10:.0f} KiB"
+
+
+def pinned_pool() -> dict[str, int]:
+    """What PyTorch's caching host allocator holds: bytes and blocks held (in use or cached),
+    and bytes in use. Block sizes are as requested from CUDA, after rounding."""
+    stats = torch.cuda.host_memory_stats()
+
+    def stat(*names: str) -> int:
+        return next((int(stats[n]) for n in names if n in stats), 0)
+
+    return {"held_bytes": stat("allocated_bytes.current", "reserved_bytes.current"),
+            "held_blocks": stat("allocations.current", "segment.current"),
+            "in_use_bytes": stat("active_bytes.current", "allocated_bytes.current")}
+
+
+def empty_pinned_cache() -> None:
+    """Give the pinned blocks that PyTorch caches but nobody uses back to the driver."""
+    torch._C._host_emptyCache()
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Profiling: device activity as lanes
 # --------------------------------------------------------------------------------------------
 
 COPY_KINDS = ("H2D", "D2H", "D2D")
@@ -427,9 +516,11 @@ def profile_activities(fn: Callable[[], object], *, warmup: int = 1) -> list[Act
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -520,7 +611,7 @@ def plot_timeline(activities: Sequence[Activity], *, title: str = "", ax=None,
 
 
 # --------------------------------------------------------------------------------------------
-# 5. Figures
+# 6. Figures
 # --------------------------------------------------------------------------------------------
 
 STYLE = {
@@ -548,12 +639,11 @@ def plot_timings(timings: dict[str, Timing | float], *, title: str = "", unit: s
               [t.q3_ms - t.median_ms if isinstance(t, Timing) else 0 for t in timings.values()]]
     ax.barh(names, medians, xerr=errors, color=[f"C{i % 6}" for i in range(len(names))],
             capsize=3)
-    for row, value in enumerate(medians):
-        ax.annotate(f" {value:.3g} {unit}", (value, row), va="center", fontsize=9)
+    for row, (value, upper) in enumerate(zip(medians, errors[1], strict=True)):
+        ax.annotate(f" {value:.3g} {unit}", (value + upper, row), va="center", fontsize=9)
     if reference is not None:
-        ax.axvline(reference[0], color="0.3", linestyle="--", linewidth=1)
-        ax.annotate(reference[1], (reference[0], len(names) - 0.5), fontsize=9, color="0.3",
-                    ha="left", va="bottom")
+        ax.axvline(reference[0], color="0.3", linestyle="--", linewidth=1, label=reference[1])
+        ax.legend(loc="lower right")
     if log:
         ax.set_xscale("log")
     ax.invert_yaxis()
@@ -564,17 +654,44 @@ def plot_timings(timings: dict[str, Timing | float], *, title: str = "", unit: s
     return ax.figure
 
 
-def save_figure(fig, name: str, directory: Path = FIGURES_DIR) -> Path:
+def plot_sweep(sizes: Sequence[int], results: dict[str, list[Timing]], *, title: str = "",
+               link_gbps: float | None = None, ax=None):
+    """GB/s against transfer size (log-log), one line per kind of copy, shaded between the rates
+    at the first and third quartile of the times; the link's theoretical rate dashed."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 4.5))
+    for name, timings in results.items():
+        pairs = list(zip(timings, sizes, strict=True))
+        line, = ax.plot(sizes, [t.gbps(n) for t, n in pairs], marker="o", markersize=4,
+                        label=name)
+        ax.fill_between(sizes, [bandwidth_gbps(n, t.q3_ms) for t, n in pairs],
+                        [bandwidth_gbps(n, t.q1_ms) for t, n in pairs],
+                        color=line.get_color(), alpha=0.2, linewidth=0)
+    if link_gbps:
+        ax.axhline(link_gbps, color="0.3", linestyle="--", linewidth=1,
+                   label=f"link limit, {link_gbps:.1f} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = [n for n in sizes if sizes.index(n) % 2 == 0]
+    ax.set_xticks(ticks, [format_bytes(n) for n in ticks])
+    ax.set_xlabel("bytes per copy")
+    ax.set_ylabel("GB/s (median; band: interquartile)")
+    ax.legend(loc="lower right")
+    if title:
+        ax.set_title(title)
+    return ax.figure
+
+
+def save_figure(fig, name: str, directory: Path | None = None) -> None:
     """Save ``fig`` as ``figures/<name>.png``; no timestamp or version metadata, so it is
     byte-for-byte the same whenever the same data is drawn."""
+    directory = FIGURES_DIR if directory is None else directory
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{name}.png"
-    fig.savefig(path, format="png", metadata={"Software": None})
-    return path
+    fig.savefig(directory / f"{name}.png", format="png", metadata={"Software": None})
 
 
 # --------------------------------------------------------------------------------------------
-# 6. Results and claims
+# 7. Results and claims
 # --------------------------------------------------------------------------------------------
 
 MEASUREMENTS: dict[str, dict] = {}
@@ -600,7 +717,7 @@ def _emit(text: str, metadata: dict) -> None:
         print(text)
 
 
-def record(key: str, value: float, unit: str, label: str, *, headline: bool = False) -> float:
+def record(key: str, value: float, unit: str, label: str, *, headline: bool = False) -> None:
     """Show a measured value and keep it, machine-readable, in the notebook's output metadata.
 
     ``headline`` values are the ones the README's table quotes for this notebook.
@@ -609,7 +726,6 @@ def record(key: str, value: float, unit: str, label: str, *, headline: bool = Fa
              "headline": headline}
     MEASUREMENTS[key] = entry
     _emit(f"{label}: {format_value(value, unit)}", {"measurement": entry})
-    return float(value)
 
 
 def format_value(value: float, unit: str) -> str:

@@ -122,7 +122,7 @@ def test_time_host_counts_calls_and_measures_the_call():
 def test_benchmark_uses_torch_utils_benchmark():
     timing = helpers.benchmark(lambda: time.sleep(0.001), min_run_time=0.05)
     assert timing.method == "torch.utils.benchmark"
-    assert 1.0 <= timing.median_ms < 50
+    assert 1.0 <= timing.median_ms < 50 and len(timing.samples_ms) >= 1
 
 
 @needs_cuda
@@ -136,7 +136,7 @@ def test_cuda_events_see_queued_device_work():
 def test_sync_probe_tells_a_synchronising_call_from_an_asynchronous_one():
     x = torch.ones(1000, device="cuda")
     item = helpers.sync_probe(lambda: x.sum().item(), busy_ms=30)
-    add = helpers.sync_probe(lambda: x + 1, busy_ms=30)
+    add = helpers.sync_probe(lambda: x + 1, busy_ms=30)  # its first call may wait: see docstring
     assert item.blocked and item.warned
     assert not add.blocked and not add.warned
     assert torch.cuda.get_sync_debug_mode() == 0  # restored
@@ -213,7 +213,8 @@ def test_timeline_figure_is_saved_deterministically(tmp_path):
     paths = []
     for name in ("a", "b"):
         fig = helpers.plot_timeline(acts, title="synthetic", stream_names={7: "default"})
-        paths.append(helpers.save_figure(fig, name, directory=tmp_path))
+        helpers.save_figure(fig, name, directory=tmp_path)
+        paths.append(tmp_path / f"{name}.png")
         helpers.plt.close(fig)
     first, second = (p.read_bytes() for p in paths)
     assert paths[0].name == "a.png" and first[:8] == b"\x89PNG\r\n\x1a\n"
@@ -231,7 +232,7 @@ def fresh_measurements(monkeypatch):
 
 
 def test_record_shows_and_keeps_a_value(fresh_measurements, capsys):
-    assert helpers.record("copy_ms", 1.23456, "ms", "one copy", headline=True) == 1.23456
+    helpers.record("copy_ms", 1.23456, "ms", "one copy", headline=True)
     assert capsys.readouterr().out == "one copy: 1.23 ms\n"
     assert fresh_measurements["copy_ms"] == {"key": "copy_ms", "value": 1.23456, "unit": "ms",
                                              "label": "one copy", "headline": True}
@@ -284,3 +285,54 @@ def test_stream_lane_id_names_the_profiler_lane():
 
     acts = helpers.profile_activities(work)
     assert {a.stream for a in acts if a.kind == "kernel"} == {helpers.stream_lane_id(side)}
+
+
+def test_format_bytes():
+    assert [helpers.format_bytes(n) for n in (512, 4096, 3 << 20, 1 << 30)] == [
+        "512 B", "4 KiB", "3 MiB", "1 GiB"]
+
+
+def test_bandwidth_sweep_times_each_copy_at_each_size(monkeypatch, capsys):
+    made = []
+
+    def fake_time_cuda(fn, *, warmup, repeat):
+        fn()
+        return helpers.Timing((1.0,) * repeat, "fake")
+
+    monkeypatch.setattr(helpers, "time_cuda", fake_time_cuda)
+    copies = {"a": lambda n: (made.append(("a", n)) or (lambda: None)),
+              "b": lambda n: (made.append(("b", n)) or (lambda: None))}
+    results = helpers.bandwidth_sweep([1000, 2000], copies, repeat=3)
+    assert made == [("a", 1000), ("b", 1000), ("a", 2000), ("b", 2000)]
+    assert [t.gbps(2000) for t in results["b"]] == [0.002, 0.002]
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    fig = helpers.plot_sweep([1000, 2000], results, link_gbps=1.0, title="t")
+    assert len(fig.axes[0].lines) == 3
+    helpers.plt.close(fig)
+
+
+def test_fault_probe_counts_first_touch_page_faults():
+    import numpy as np
+
+    block = np.empty(64 << 20, dtype=np.uint8)  # mapped lazily: no page touched yet
+    first = helpers.fault_probe(lambda: block.fill(1))
+    second = helpers.fault_probe(lambda: block.fill(2))
+    assert first.minor_faults >= (64 << 20) // (2 << 20)  # at least one per 2 MiB huge page
+    assert second.minor_faults < first.minor_faults / 10
+    assert "page faults" in str(first)
+
+
+def test_memlock_limit_is_readable():
+    assert helpers.memlock_limit() == "unlimited" or helpers.memlock_limit().endswith("KiB")
+
+
+@needs_cuda
+def test_pinned_pool_rounds_up_and_caches_until_emptied():
+    helpers.empty_pinned_cache()
+    before = helpers.pinned_pool()["held_bytes"]
+    block = torch.empty(5 << 20, dtype=torch.uint8, pin_memory=True)
+    assert helpers.pinned_pool()["held_bytes"] - before == 8 << 20  # next power of two
+    del block
+    assert helpers.pinned_pool()["held_bytes"] - before == 8 << 20  # cached, not returned
+    helpers.empty_pinned_cache()
+    assert helpers.pinned_pool()["held_bytes"] == before
