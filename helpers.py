@@ -28,7 +28,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -267,14 +267,20 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def time_host(fn: Callable[[], object], *, sync: bool, warmup: int = 3,
-              repeat: int = 20) -> Timing:
-    """Host wall clock around each call. ``sync=False`` times only what the host waits for."""
+def time_host(fn: Callable[[], object], *, sync: bool, warmup: int = 3, repeat: int = 20,
+              setup: Callable[[], object] | None = None) -> Timing:
+    """Host wall clock around each call. ``sync=False`` times only what the host waits for.
+
+    ``setup`` runs, untimed, before every call (to empty a cache, say, so that each call is a
+    first call).
+    """
     for _ in range(warmup):
         fn()
     _sync()
     samples = []
     for _ in range(repeat):
+        if setup is not None:
+            setup()
         if sync:
             _sync()
         start = time.perf_counter()
@@ -411,6 +417,7 @@ def sync_probe(fn: Callable[[], object], *, busy_ms: float = 50.0) -> SyncProbe:
 class FaultProbe:
     ms: float  # host wall time of the call
     minor_faults: int  # pages the kernel had to map in during it
+    result: object = field(default=None, repr=False, compare=False)  # what the call returned
 
     def __str__(self) -> str:
         return f"{_ms(self.ms)}, {self.minor_faults} page faults"
@@ -422,9 +429,9 @@ def fault_probe(fn: Callable[[], object]) -> FaultProbe:
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
-    fn()
+    result = fn()
     ms = (time.perf_counter() - start) * 1e3
-    return FaultProbe(ms, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return FaultProbe(ms, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, result)
 
 
 def memlock_limit() -> str:
@@ -729,9 +736,10 @@ def record(key: str, value: float, unit: str, label: str, *, headline: bool = Fa
 
 
 def format_value(value: float, unit: str) -> str:
-    if unit in ("x", ""):
-        return f"{value:.3g}{unit}"
-    return f"{value:.3g} {unit}"
+    """3 significant digits (whole counts in full), the unit after a space ("x" without)."""
+    number = f"{int(value):,}" if float(value).is_integer() and abs(value) >= 1000 \
+        else f"{value:.3g}"
+    return f"{number}{unit}" if unit in ("x", "") else f"{number} {unit}"
 
 
 OPERATORS = {"<": float.__lt__, "<=": float.__le__, ">": float.__gt__, ">=": float.__ge__}

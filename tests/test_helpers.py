@@ -117,6 +117,11 @@ def test_time_host_counts_calls_and_measures_the_call():
     assert 2.0 <= timing.median_ms < 50
     assert timing.method == "host clock, synchronised"
     assert helpers.time_host(sleep_2ms, sync=False, repeat=3).method == "host clock, no sync"
+    calls.clear()
+    timing = helpers.time_host(lambda: calls.append("fn"), sync=False, warmup=1, repeat=2,
+                               setup=lambda: (calls.append("setup"), time.sleep(0.01)))
+    assert calls == ["fn", "setup", "fn", "setup", "fn"]
+    assert timing.median_ms < 5  # setup is not timed
 
 
 def test_benchmark_uses_torch_utils_benchmark():
@@ -238,6 +243,8 @@ def test_record_shows_and_keeps_a_value(fresh_measurements, capsys):
                                              "label": "one copy", "headline": True}
     helpers.record("speedup", 7.0, "x", "speed-up")
     assert capsys.readouterr().out == "speed-up: 7x\n"
+    helpers.record("faults", 65536, "", "faults")
+    assert capsys.readouterr().out == "faults: 65,536\n"
 
 
 def test_claim_holds_or_stops_with_one_line(fresh_measurements, capsys):
@@ -320,6 +327,7 @@ def test_fault_probe_counts_first_touch_page_faults():
     assert first.minor_faults >= (64 << 20) // (2 << 20)  # at least one per 2 MiB huge page
     assert second.minor_faults < first.minor_faults / 10
     assert "page faults" in str(first)
+    assert helpers.fault_probe(lambda: 42).result == 42
 
 
 def test_memlock_limit_is_readable():

@@ -25,6 +25,7 @@ from pathlib import Path
 import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # helpers.py, when run as a script
 NOTEBOOKS = ROOT / "notebooks"
 README = ROOT / "README.md"
 METADATA_KEY = "collection"  # same namespace as helpers.METADATA_KEY
@@ -228,6 +229,8 @@ def outputs_metadata(nb, kind: str) -> list[dict]:
 
 
 def readme_table(paths: list[Path], conf: dict) -> str:
+    from helpers import format_value  # the notebooks' own formatting of recorded values
+
     rows = ["| # | notebook: the question | headline result (committed run) | |",
             "|---|---|---|---|"]
     runs = set()
@@ -235,7 +238,8 @@ def readme_table(paths: list[Path], conf: dict) -> str:
         nb = read(path)
         info = nb.metadata.get(METADATA_KEY, {})
         headlines = [m for m in outputs_metadata(nb, "measurement") if m.get("headline")]
-        result = "; ".join(f"{m['label']}: {_value(m)}" for m in headlines) or "not run yet"
+        result = "; ".join(f"{m['label']}: {format_value(m['value'], m['unit'])}"
+                           for m in headlines) or "not run yet"
         rows.append(f"| {path.name[:2]} | [{info.get('title', path.stem)}](notebooks/"
                     f"{path.name}): {info.get('question', '')} | {result} | "
                     f"{badge(path.name, conf)} |")
@@ -245,11 +249,6 @@ def readme_table(paths: list[Path], conf: dict) -> str:
                      f"Python {stamp['python']}")
     source = "; ".join(sorted(runs)) or "no notebook has been executed yet"
     return "\n".join(rows) + f"\n\nCommitted outputs come from: {source}."
-
-
-def _value(measurement: dict) -> str:
-    value, unit = measurement["value"], measurement["unit"]
-    return f"{value:.3g}{unit}" if unit in ("x", "") else f"{value:.3g} {unit}"
 
 
 def readme_with_table(text: str, table: str) -> str:
