@@ -14,6 +14,7 @@ or on Colab downloads this one file). Sections:
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import importlib.metadata
 import importlib.util
@@ -271,10 +272,12 @@ def time_host(fn: Callable[[], object], *, sync: bool, warmup: int = 3, repeat: 
               setup: Callable[[], object] | None = None) -> Timing:
     """Host wall clock around each call. ``sync=False`` times only what the host waits for.
 
-    ``setup`` runs, untimed, before every call (to empty a cache, say, so that each call is a
-    first call).
+    ``setup`` runs, untimed, before every call, warm-up calls included (to empty a cache, say,
+    so that each call is a first call, or to queue the work a call should wait for).
     """
     for _ in range(warmup):
+        if setup is not None:
+            setup()
         fn()
     _sync()
     samples = []
@@ -464,15 +467,17 @@ def empty_pinned_cache() -> None:
 # 5. Profiling: device activity as lanes
 # --------------------------------------------------------------------------------------------
 
-COPY_KINDS = ("H2D", "D2H", "D2D")
+#: Lane of host-side spans marked with ``torch.profiler.record_function`` (kind "host").
+HOST_LANE = -1
 
 
 @dataclass(frozen=True)
 class Activity:
-    """One span of device work: a kernel, a copy or a memset, on one stream."""
+    """One span of device work (a kernel, a copy, a memset, on one stream), or a host span
+    that the code marked with ``torch.profiler.record_function``."""
 
-    stream: int
-    kind: str  # "kernel", "H2D", "D2H", "D2D", "memset"
+    stream: int  # HOST_LANE for host spans
+    kind: str  # "kernel", "H2D", "D2H", "D2D", "memset", "host"
     name: str
     start_us: float
     end_us: float
@@ -484,6 +489,8 @@ class Activity:
 
 
 def _activity_kind(category: str, name: str) -> str | None:
+    if category == "user_annotation":
+        return "host"
     if category == "kernel":
         return "kernel"
     if category == "gpu_memset":
@@ -496,16 +503,21 @@ def _activity_kind(category: str, name: str) -> str | None:
     return None
 
 
+def _trace_events(trace: dict | list) -> list[dict]:
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
 def parse_chrome_trace(trace: dict | list) -> list[Activity]:
-    """Device activities from a torch.profiler Chrome trace, times relative to the first one."""
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    """Device activities, and host spans marked with ``record_function``, from a torch.profiler
+    Chrome trace; times in microseconds from the first of them (the profiler puts host and
+    device events on one clock)."""
     found = []
-    for event in events:
+    for event in _trace_events(trace):
         kind = _activity_kind(event.get("cat", ""), event.get("name", ""))
         if kind is None or event.get("ph") != "X":
             continue
         args = event.get("args", {})
-        stream = int(args.get("stream", event.get("tid", -1)))
+        stream = HOST_LANE if kind == "host" else int(args.get("stream", event.get("tid", -1)))
         start = float(event["ts"])
         found.append((stream, kind, event["name"], start, start + float(event["dur"]),
                       args.get("bytes")))
@@ -516,8 +528,18 @@ def parse_chrome_trace(trace: dict | list) -> list[Activity]:
                   key=lambda a: (a.start_us, a.stream))
 
 
-def profile_activities(fn: Callable[[], object], *, warmup: int = 1) -> list[Activity]:
-    """Run ``fn`` under torch.profiler and return what the device did, per stream."""
+def runtime_calls(trace: dict | list) -> collections.Counter:
+    """How many times each CUDA runtime or driver function was called in a Chrome trace
+    (``cudaMemcpyAsync``, ``cudaStreamSynchronize``, ...)."""
+    return collections.Counter(e["name"] for e in _trace_events(trace)
+                               if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                               and e.get("ph") == "X")
+
+
+def profile_trace(fn: Callable[[], object], *, warmup: int = 1) -> dict:
+    """Run ``fn`` under torch.profiler (host and CUDA activity), after ``warmup`` unprofiled
+    calls, and return the Chrome trace as a dict. The device is synchronised after the call,
+    so the trace holds all the work ``fn`` queued."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
@@ -526,12 +548,21 @@ def profile_activities(fn: Callable[[], object], *, warmup: int = 1) -> list[Act
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            # The profiler's first CUDA call costs it milliseconds of set-up; spend them here,
+            # not inside the first operation of fn, which would look that slow on the host lane.
+            torch.cuda.synchronize()
             fn()
             torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
-        return parse_chrome_trace(json.loads(path.read_text()))
+        return json.loads(path.read_text())
+
+
+def profile_activities(fn: Callable[[], object], *, warmup: int = 1) -> list[Activity]:
+    """Run ``fn`` under torch.profiler and return what the device did, per stream (and the
+    host spans ``fn`` marked with ``record_function``)."""
+    return parse_chrome_trace(profile_trace(fn, warmup=warmup))
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -571,7 +602,7 @@ def overlap_fraction(activities: Sequence[Activity], copy_kinds: Sequence[str] =
 
 
 KIND_COLORS = {"kernel": "#4C72B0", "H2D": "#DD8452", "D2H": "#55A868", "D2D": "#8172B3",
-               "memset": "#937860"}
+               "memset": "#937860", "host": "#A0A0A0"}
 
 
 def stream_lane_id(stream: torch.cuda.Stream) -> int | None:
@@ -591,20 +622,27 @@ def plot_timeline(activities: Sequence[Activity], *, title: str = "", ax=None,
     """Draw one lane per stream, one coloured bar per activity. Returns the figure.
 
     ``stream_names`` maps streams (``torch.cuda.Stream`` objects or profiler ids) to lane labels.
+    Bars are at least 0.2% of the time span wide, so that microsecond copies in a
+    milliseconds-long timeline stay visible.
     """
     if ax is None:
         lanes = len({a.stream for a in activities})
         _, ax = plt.subplots(figsize=(9, 0.7 + 0.55 * max(lanes, 1)))
     streams = sorted({a.stream for a in activities})
-    names = {}
+    names = {HOST_LANE: "host"}
     for key, label in (stream_names or {}).items():
         names[key if isinstance(key, int) else stream_lane_id(key)] = label
+    span_ms = max((a.end_us for a in activities), default=0) / 1e3
     for row, stream in enumerate(streams):
         for kind, color in KIND_COLORS.items():
-            spans = [(a.start_us / 1e3, a.duration_us / 1e3) for a in activities
-                     if a.stream == stream and a.kind == kind]
+            spans = [(a.start_us / 1e3, max(a.duration_us / 1e3, 0.002 * span_ms))
+                     for a in activities if a.stream == stream and a.kind == kind]
             if spans:
                 ax.broken_barh(spans, (row - 0.35, 0.7), facecolors=color, edgecolor="none")
+    for a in activities:  # name the host spans that are wide enough to hold a label
+        if a.kind == "host" and a.duration_us / 1e3 > 0.12 * span_ms:
+            ax.text((a.start_us + a.end_us) / 2e3, streams.index(a.stream), a.name,
+                    ha="center", va="center", fontsize=8, clip_on=True)
     ax.set_yticks(range(len(streams)), [names.get(s, f"stream {s}") for s in streams])
     ax.set_ylim(-0.6, len(streams) - 0.4)
     ax.invert_yaxis()
@@ -615,6 +653,29 @@ def plot_timeline(activities: Sequence[Activity], *, title: str = "", ax=None,
     if title:
         ax.set_title(title)
     return ax.figure
+
+
+def plot_timelines(panels: dict[str, Sequence[Activity]], *, stream_names: dict | None = None,
+                   columns: int = 1, title: str = ""):
+    """Several timelines on one time axis, one panel per entry (its key is the panel's title),
+    so that their lengths compare at a glance. Returns the figure."""
+    rows = -(-len(panels) // columns)
+    lanes = max(len({a.stream for a in acts}) for acts in panels.values())
+    fig, axes = plt.subplots(rows, columns, sharex=True, squeeze=False,
+                             figsize=(9 if columns == 1 else 6 * columns,
+                                      rows * (0.9 + 0.45 * lanes)))
+    for index, (name, acts) in enumerate(panels.items()):
+        ax = axes.flat[index]
+        plot_timeline(acts, title=name, ax=ax, stream_names=stream_names)
+        ax.title.set_fontweight("normal")
+        if index < len(panels) - columns:  # the shared time axis is labelled once, at the bottom
+            ax.set_xlabel("")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title, fontweight="bold")
+    fig.tight_layout()
+    return fig
 
 
 # --------------------------------------------------------------------------------------------

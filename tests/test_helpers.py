@@ -120,7 +120,7 @@ def test_time_host_counts_calls_and_measures_the_call():
     calls.clear()
     timing = helpers.time_host(lambda: calls.append("fn"), sync=False, warmup=1, repeat=2,
                                setup=lambda: (calls.append("setup"), time.sleep(0.01)))
-    assert calls == ["fn", "setup", "fn", "setup", "fn"]
+    assert calls == ["setup", "fn", "setup", "fn", "setup", "fn"]
     assert timing.median_ms < 5  # setup is not timed
 
 
@@ -176,6 +176,38 @@ def test_parse_chrome_trace_keeps_device_activity_per_stream():
     assert helpers.parse_chrome_trace([]) == []
 
 
+HOST_AND_RUNTIME_TRACE = [
+    {"ph": "X", "cat": "user_annotation", "name": "enqueue", "pid": 1, "tid": 1, "ts": 900,
+     "dur": 50},
+    {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "pid": 1, "tid": 1, "ts": 910,
+     "dur": 5},
+    {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "pid": 1, "tid": 1, "ts": 920,
+     "dur": 5},
+    {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "pid": 1, "tid": 1,
+     "ts": 930, "dur": 500},
+    {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "pid": 1, "tid": 1, "ts": 940,
+     "dur": 3},
+    {"ph": "i", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 950},
+    _event("kernel", "void some_kernel<float>()", 1000.0, 200.0, 7),
+]
+
+
+def test_host_spans_from_record_function_get_their_own_lane():
+    acts = helpers.parse_chrome_trace(HOST_AND_RUNTIME_TRACE)
+    host = [a for a in acts if a.kind == "host"]
+    assert [(a.stream, a.name, a.start_us, a.end_us) for a in host] == [
+        (helpers.HOST_LANE, "enqueue", 0.0, 50.0)]
+    kernel = next(a for a in acts if a.kind == "kernel")
+    assert kernel.start_us == 100.0  # one clock for host and device
+    assert helpers.overlap_fraction(acts + _spans(("H2D", 0, 100))) == 0.0  # host spans: no work
+
+
+def test_runtime_calls_counts_cuda_api_calls_only():
+    calls = helpers.runtime_calls({"traceEvents": HOST_AND_RUNTIME_TRACE})
+    assert calls == {"cudaMemcpyAsync": 2, "cudaStreamSynchronize": 1, "cuLaunchKernel": 1}
+    assert helpers.runtime_calls(SYNTHETIC_TRACE) == {}
+
+
 def _spans(*spans):
     return [helpers.Activity(0, kind, kind, s, e) for kind, s, e in spans]
 
@@ -210,6 +242,24 @@ def test_profile_activities_sees_a_side_stream_copy_overlap_a_kernel():
     assert helpers.overlap_fraction(acts) > 0.9
 
 
+@needs_cuda
+def test_profile_trace_counts_the_sync_of_a_blocking_copy():
+    src = torch.ones(1 << 20, dtype=torch.uint8).pin_memory()
+
+    def copies(non_blocking):
+        with torch.profiler.record_function("copies"):
+            for _ in range(5):
+                src.to("cuda", non_blocking=non_blocking)
+
+    blocking = helpers.profile_trace(lambda: copies(False))
+    non_blocking = helpers.profile_trace(lambda: copies(True))
+    assert helpers.runtime_calls(blocking)["cudaMemcpyAsync"] == 5
+    assert helpers.runtime_calls(blocking)["cudaStreamSynchronize"] == 5
+    assert helpers.runtime_calls(non_blocking)["cudaStreamSynchronize"] == 0
+    assert [a.name for a in helpers.parse_chrome_trace(blocking) if a.kind == "host"] == [
+        "copies"]
+
+
 # ---------------------------------------------------------------------------- figures
 
 
@@ -225,6 +275,20 @@ def test_timeline_figure_is_saved_deterministically(tmp_path):
     assert paths[0].name == "a.png" and first[:8] == b"\x89PNG\r\n\x1a\n"
     assert first == second
     assert b"matplotlib" not in first.lower()  # no version string, no timestamp
+
+
+def test_plot_timelines_shares_one_time_axis(tmp_path):
+    acts = helpers.parse_chrome_trace(SYNTHETIC_TRACE)
+    host = helpers.parse_chrome_trace(HOST_AND_RUNTIME_TRACE)
+    fig = helpers.plot_timelines({"first": acts, "second": host, "third": acts}, columns=2,
+                                 stream_names={7: "default"}, title="three")
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in visible] == ["first", "second", "third"]
+    assert len({ax.get_xlim() for ax in visible}) == 1
+    assert "host" in [t.get_text() for t in visible[1].get_yticklabels()]
+    helpers.save_figure(fig, "three", directory=tmp_path)
+    helpers.plt.close(fig)
+    assert (tmp_path / "three.png").stat().st_size > 0
 
 
 # ---------------------------------------------------------------------------- results and claims
