@@ -6,10 +6,12 @@ or on Colab downloads this one file). Sections:
 1. Colab set-up      install what Colab lacks without ever touching its torch
 2. Environment       what machine the numbers come from; a guard for notebooks that need CUDA
 3. Timing            host clock, CUDA events, torch.utils.benchmark; bandwidth; sync probes
-4. Host memory       page faults, the pinned pool of PyTorch's caching host allocator
+4. Host memory       page faults, the pinned pool of PyTorch's caching host allocator,
+                     host memcpy rate; loader workers and the memory of a process tree
 5. Profiling         device activity as lanes, overlap fraction, timeline picture
 6. Figures           one style, deterministic PNGs in ``figures/``
 7. Results, claims   measurements recorded in output metadata; claims checked as they run
+8. Batches           nested batches moved to a device; a side-stream prefetcher
 """
 
 from __future__ import annotations
@@ -463,6 +465,124 @@ def empty_pinned_cache() -> None:
     torch._C._host_emptyCache()
 
 
+def time_host_memcpy(nbytes: int, *, threads: int, pinned_destination: bool = True,
+                     repeat: int = 10) -> Timing:
+    """Host-only copy of ``nbytes`` from a pageable tensor into a pinned (or pageable) one, with
+    ``threads`` intra-op threads: the rate at which pinning, or the driver's staging, can go.
+
+    Both buffers are touched before timing, so no page faults are counted.
+    """
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    destination = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned_destination)
+    destination.fill_(0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        timing = time_host(lambda: destination.copy_(source), sync=False, warmup=2,
+                           repeat=repeat)
+    finally:
+        torch.set_num_threads(previous)
+    return Timing(timing.samples_ms, f"host memcpy, {threads} thread(s)")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity), which can be fewer than the machine has."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def worker_count(cap: int = 4) -> int:
+    """DataLoader workers for this host: one CPU left for the main process, at most ``cap``."""
+    return max(1, min(cap, usable_cpus() - 1))
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # the process ended while we looked
+            continue
+        # fields after the command name, which is in parentheses and may hold spaces
+        state, parent = stat[stat.rindex(")") + 2:].split()[:2]
+        if state != "Z":
+            children[int(parent)].append(int(entry.name))
+    return children
+
+
+def child_processes(pid: int | None = None) -> list[int]:
+    """Live descendants of ``pid`` (default: this process), e.g. DataLoader workers still
+    running; zombies (exited, not yet reaped) are not counted. Linux only."""
+    children = _children_by_parent()
+    found, frontier = [], [os.getpid() if pid is None else pid]
+    while frontier:
+        kids = children.get(frontier.pop(), [])
+        found += kids
+        frontier += kids
+    return sorted(found)
+
+
+def _memory_mib(pid: int) -> float:
+    """A process's proportional set size (shared pages split among the processes sharing
+    them, so forked workers are not counted twice), else its RSS; 0 if it has gone."""
+    for name, key in (("smaps_rollup", "Pss:"), ("status", "VmRSS:")):
+        try:
+            for line in Path(f"/proc/{pid}/{name}").read_text().splitlines():
+                if line.startswith(key):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            continue
+    return 0.0
+
+
+class MemoryWatch:
+    """Samples the memory of a process and all its descendants (loader workers included) in a
+    daemon thread, from the moment it is made, and keeps the peak of their sum.
+
+    The sum is of proportional set sizes, so pages that forked workers share with their parent
+    count once. A peak shorter than ``interval_s`` can slip between samples;
+    ``kernel_peak_mib`` is the process's own exact peak RSS, kept by the kernel.
+    """
+
+    def __init__(self, interval_s: float = 0.05, pid: int | None = None):
+        import threading
+
+        self.pid = os.getpid() if pid is None else pid
+        self.interval_s = interval_s
+        self.peak_mib = 0.0
+        self._stop = threading.Event()
+        self.sample()
+        self._thread = threading.Thread(target=self._run, name="memory-watch", daemon=True)
+        self._thread.start()
+
+    def sample(self) -> float:
+        """The tree's memory now (MiB); also updates the peak."""
+        total = sum(_memory_mib(p) for p in [self.pid, *child_processes(self.pid)])
+        self.peak_mib = max(self.peak_mib, total)
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    @property
+    def kernel_peak_mib(self) -> float:
+        match = next((line for line in Path(f"/proc/{self.pid}/status").read_text().splitlines()
+                      if line.startswith("VmHWM:")), None)
+        return int(match.split()[1]) / 1024 if match else 0.0
+
+    def stop(self) -> float:
+        """Stop sampling (after a last sample); returns the peak in MiB."""
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        return self.peak_mib
+
+
 # --------------------------------------------------------------------------------------------
 # 5. Profiling: device activity as lanes
 # --------------------------------------------------------------------------------------------
@@ -829,3 +949,103 @@ def claim(statement: str, lhs: str, op: str, rhs: str | float, *, factor: float 
                           f"{MEASUREMENTS[lhs]['value']:.4g}, {op} {factor:g} x {rhs_value:.4g}"
                           " is false")
     _emit(f"claim holds: {statement}", {"claim": entry})
+
+
+# --------------------------------------------------------------------------------------------
+# 8. Batches: nested batches on a device, and a side-stream prefetcher
+# --------------------------------------------------------------------------------------------
+
+
+def map_tensors(fn: Callable[[torch.Tensor], object], batch):
+    """Apply ``fn`` to every tensor in a nested batch (tuples, namedtuples, lists, dicts),
+    keeping the containers' types; anything else is returned unchanged."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(map_tensors(fn, item) for item in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_tensors(fn, item) for item in batch)
+    if isinstance(batch, dict):
+        mapped = {key: map_tensors(fn, value) for key, value in batch.items()}
+        try:
+            return type(batch)(mapped)
+        except TypeError:  # a dict subclass whose constructor takes something else
+            return mapped
+    return batch
+
+
+def to_device(batch, device: torch.device | str, non_blocking: bool = True):
+    """Every tensor of a nested batch moved to ``device``."""
+    return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
+
+
+class Prefetcher:
+    """Iterate over ``batches`` (any iterable of nested batches on the host) and get them on
+    ``device``, each copied on a side stream while the caller works on the one before.
+
+    For each batch: the copy (and ``transform``, if given, e.g. uint8 -> normalised float) is
+    queued on ``self.stream``, one stream for the prefetcher's whole life (a stream per epoch
+    strands memory in per-stream pools, notebook 04); an event recorded after it is waited on by
+    the caller's current stream, so the caller's work never reads a batch before it lands.
+    Batch k+1 is queued before batch k is handed over, so it copies while the caller's step k
+    runs. Memory is protected one of two ways (``guard``):
+
+    - ``"record_stream"``: each tensor is marked as used by the caller's stream, so the caching
+      allocator does not reuse its block until the caller's work queued so far is done;
+    - ``"wait_consumer"``: before each copy the side stream waits for the caller's queued
+      work, so a block freed by the caller cannot be overwritten while still being read.
+
+    Without CUDA (or for a CPU ``device``) batches are moved as they are asked for.
+    """
+
+    GUARDS = ("record_stream", "wait_consumer")
+
+    def __init__(self, batches: Iterable, device: torch.device | str | None = None, *,
+                 transform: Callable | None = None, guard: str = "record_stream"):
+        if guard not in self.GUARDS:
+            raise ValueError(f"guard must be one of {self.GUARDS}")
+        self.batches = batches
+        self.device = torch.device(device if device is not None else
+                                   ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.transform = transform
+        self.guard = guard
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def __len__(self) -> int:
+        return len(self.batches)  # type: ignore[arg-type]
+
+    def _load(self, batch):
+        batch = to_device(batch, self.device, non_blocking=True)
+        return self.transform(batch) if self.transform is not None else batch
+
+    def __iter__(self):
+        if self.stream is None:
+            for batch in self.batches:
+                yield self._load(batch)
+            return
+        consumer = torch.cuda.current_stream(self.device)
+        source = iter(self.batches)
+
+        def preload():
+            batch = next(source, _END)
+            if batch is _END:
+                return None
+            if self.guard == "wait_consumer":
+                self.stream.wait_stream(consumer)
+            with torch.cuda.stream(self.stream):
+                batch = self._load(batch)
+                ready = torch.cuda.Event()
+                ready.record()
+            return batch, ready
+
+        pending = preload()
+        while pending is not None:
+            batch, ready = pending
+            consumer.wait_event(ready)
+            if self.guard == "record_stream":
+                map_tensors(lambda t: t.record_stream(consumer), batch)
+            pending = preload()  # batch k+1 starts copying before the caller queues step k
+            yield batch
+
+
+_END = object()

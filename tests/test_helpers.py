@@ -408,3 +408,122 @@ def test_pinned_pool_rounds_up_and_caches_until_emptied():
     assert helpers.pinned_pool()["held_bytes"] - before == 8 << 20  # cached, not returned
     helpers.empty_pinned_cache()
     assert helpers.pinned_pool()["held_bytes"] == before
+
+
+def test_time_host_memcpy_restores_the_thread_count():
+    before = torch.get_num_threads()
+    timing = helpers.time_host_memcpy(1 << 20, threads=1, pinned_destination=False, repeat=3)
+    assert torch.get_num_threads() == before
+    assert len(timing.samples_ms) == 3 and timing.gbps(1 << 20) > 0
+    assert "1 thread" in timing.method
+
+
+def test_worker_count_leaves_a_cpu_for_the_main_process(monkeypatch):
+    monkeypatch.setattr(helpers, "usable_cpus", lambda: 16)
+    assert helpers.worker_count(4) == 4
+    monkeypatch.setattr(helpers, "usable_cpus", lambda: 2)
+    assert helpers.worker_count(4) == 1
+    monkeypatch.setattr(helpers, "usable_cpus", lambda: 1)
+    assert helpers.worker_count(4) == 1
+
+
+def test_child_processes_and_memory_watch_see_a_child_and_its_memory():
+    import subprocess
+    import sys
+
+    watch = helpers.MemoryWatch(interval_s=0.02)
+    baseline = watch.sample()
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys, time; b = bytearray(300 << 20); "
+                              "print('ready', flush=True); time.sleep(30)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert child.pid in helpers.child_processes()
+        time.sleep(0.1)
+        assert watch.peak_mib - baseline > 250  # the child's 300 MiB, written, count
+    finally:
+        child.kill()
+        child.wait()
+    assert child.pid not in helpers.child_processes()
+    peak = watch.stop()
+    assert peak == watch.peak_mib and watch.kernel_peak_mib > 0
+
+
+# ---------------------------------------------------------------------------- batches
+
+
+Pair = __import__("collections").namedtuple("Pair", "image label")
+
+
+def _nested_batch():
+    return {"pair": Pair(torch.arange(4.0), torch.tensor([1])),
+            "list": [torch.ones(2, 2), ("name", 7)], "plain": torch.zeros(3)}
+
+
+def test_map_tensors_keeps_every_container_type():
+    moved = helpers.map_tensors(lambda t: t * 2, _nested_batch())
+    assert type(moved) is dict and isinstance(moved["pair"], Pair)
+    assert type(moved["list"]) is list and moved["list"][1] == ("name", 7)
+    assert torch.equal(moved["pair"].image, torch.arange(4.0) * 2)
+    assert torch.equal(moved["list"][0], torch.full((2, 2), 2.0))
+
+    class Batch(dict):
+        pass
+
+    assert type(helpers.map_tensors(lambda t: t, Batch(x=torch.ones(1)))) is Batch
+
+
+def test_prefetcher_yields_every_batch_in_order_and_stops():
+    batches = [(torch.full((3,), float(k)), {"k": torch.tensor(k)}) for k in range(5)]
+    got = list(helpers.Prefetcher(batches, "cpu"))
+    assert [int(b[1]["k"]) for b in got] == list(range(5))
+    assert list(helpers.Prefetcher([], "cpu")) == []
+    assert len(helpers.Prefetcher(batches, "cpu")) == 5
+    with pytest.raises(ValueError):
+        helpers.Prefetcher(batches, "cpu", guard="hope")
+
+
+def test_prefetcher_applies_the_transform():
+    images = [torch.full((2,), 255, dtype=torch.uint8)]
+    got = list(helpers.Prefetcher(images, "cpu", transform=lambda t: t.float() / 255))
+    assert got[0].dtype == torch.float32 and torch.equal(got[0], torch.ones(2))
+
+
+@needs_cuda
+@pytest.mark.parametrize("guard", helpers.Prefetcher.GUARDS)
+def test_prefetcher_delivers_right_values_while_the_consumer_is_slow(guard):
+    n = 1 << 20
+    sources = [(torch.full((n,), float(k), pin_memory=True),
+                {"k": torch.tensor([k], pin_memory=True)}) for k in range(8)]
+
+    def late(batch):  # the copy stream is busy: a missing wait would read unfinished data
+        helpers.gpu_busy(2)
+        return batch
+
+    prefetcher = helpers.Prefetcher(sources, transform=late, guard=guard)
+    for _epoch in range(2):  # the same prefetcher, and its one stream, twice
+        sums = []
+        for values, extra in prefetcher:
+            helpers.gpu_busy(2)  # the consumer is slow: a reused block would be overwritten
+            sums.append((values.sum(), extra["k"]))
+            assert values.device.type == "cuda" and values.is_cuda
+        torch.cuda.synchronize()
+        assert [(s.item(), k.item()) for s, k in sums] == [(float(k * n), k) for k in range(8)]
+    assert prefetcher.stream is not None
+    assert list(helpers.Prefetcher([])) == []
+
+
+@needs_cuda
+def test_prefetcher_copies_the_next_batch_while_the_consumer_computes():
+    batches = [torch.ones(16 << 20, pin_memory=True) for _ in range(4)]
+    matrix = torch.randn(2048, 2048, device="cuda")
+    prefetcher = helpers.Prefetcher(batches)
+
+    def loop():
+        for batch in prefetcher:
+            for _ in range(20):
+                matrix @ matrix
+            batch.sum()
+
+    assert helpers.overlap_fraction(helpers.profile_activities(loop), ("H2D",)) > 0.5

@@ -105,14 +105,25 @@ def execute(path: Path, timeout: int = 600) -> dict:
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
     peak = {"rss": None}
+    watch = {}
+
+    def on_notebook_start(**_):
+        # the kernel and every process it starts (DataLoader workers), sampled from outside it
+        process = getattr(getattr(client.km, "provisioner", None), "process", None)
+        if process is not None:
+            from helpers import MemoryWatch
+
+            watch["tree"] = MemoryWatch(interval_s=0.1, pid=process.pid)
 
     def on_cell_executed(**_):
         peak["rss"] = kernel_peak_rss_mib(client) or peak["rss"]
 
+    client.on_notebook_start = on_notebook_start
     client.on_cell_executed = on_cell_executed
     start = time.perf_counter()
     client.execute()
     wall = time.perf_counter() - start
+    tree_peak = watch["tree"].stop() if "tree" in watch else None
     nb.metadata.setdefault(METADATA_KEY, {})["provenance"] = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -120,6 +131,7 @@ def execute(path: Path, timeout: int = 600) -> dict:
         "date": dt.datetime.now(dt.UTC).date().isoformat(),
         "wall_seconds": round(wall, 1),
         "kernel_peak_rss_mib": None if peak["rss"] is None else round(peak["rss"]),
+        "process_tree_peak_mib": None if tree_peak is None else round(tree_peak),
         "code_sha256": code_sha256(nb), "helpers_sha256": helpers_sha256(),
     }
     fix(nb, path, settings())
@@ -317,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"executing {path.name} ...", flush=True)
         stamp = execute(path, args.timeout)
         print(f"  {stamp['wall_seconds']} s wall, kernel peak RSS "
-              f"{stamp['kernel_peak_rss_mib']} MiB, on {stamp['gpu']}", flush=True)
+              f"{stamp['kernel_peak_rss_mib']} MiB, kernel and its children together "
+              f"{stamp['process_tree_peak_mib']} MiB (PSS), on {stamp['gpu']}", flush=True)
     README.write_text(readme_with_table(README.read_text(encoding="utf-8"),
                                         readme_table(notebook_paths(), settings())),
                       encoding="utf-8")
