@@ -1,7 +1,9 @@
 """pytest hooks for the notebook tier (nbval runs every notebook, one item per code cell).
 
 - Without CUDA, a notebook's cells run up to its first code cell not tagged ``cpu-ok``; that
-  cell and every later one are skipped with the reason "requires CUDA".
+  cell and every later one are skipped with the reason "requires CUDA". A notebook whose
+  metadata says ``collection.requires_gpus: N`` is skipped the same way, with the reason
+  "requires N GPUs", where fewer are visible.
 - Figures saved during a test run go to a temporary folder.
 - After a cell fails, the rest of its notebook is skipped, so one failure reads as one failure
   and not as a cascade of NameErrors.
@@ -34,15 +36,18 @@ def pytest_collection_modifyitems(config, items):
         return
     import torch
 
-    if torch.cuda.is_available():
-        return
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     past_cpu_part: set[str] = set()
     for item in cells:
+        needed = item.parent.nb.metadata.get("collection", {}).get("requires_gpus", 1)
+        if visible >= needed:
+            continue
         notebook = item.parent.nodeid
         if CPU_OK_TAG not in item.cell.get("metadata", {}).get("tags", []):
             past_cpu_part.add(notebook)
         if notebook in past_cpu_part:
-            item.add_marker(pytest.mark.skip(reason="requires CUDA"))
+            reason = "requires CUDA" if visible == 0 else f"requires {needed} GPUs"
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -124,6 +124,16 @@ def require_cuda() -> torch.device:
     raise CUDARequired(f"this notebook measures a GPU: {hint}")
 
 
+def require_gpus(count: int) -> list[torch.device]:
+    """Return ``count`` CUDA devices, or stop the notebook with one line saying what it needs."""
+    require_cuda()
+    visible = torch.cuda.device_count()
+    if visible < count:
+        raise CUDARequired(f"this notebook needs {count} GPUs on one host and torch sees "
+                           f"{visible}; its outputs show a run on such a host.")
+    return [torch.device("cuda", index) for index in range(count)]
+
+
 def _pcie_link(index: int) -> tuple[int | None, int | None, int | None, int | None]:
     """(current gen, max gen, current width, max width) from NVML, else nvidia-smi, else Nones."""
     try:

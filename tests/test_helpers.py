@@ -66,6 +66,15 @@ def test_cuda_guard_passes_with_cuda():
     assert helpers.require_cuda().type == "cuda"
 
 
+def test_gpu_count_guard_names_what_the_notebook_needs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(helpers.CUDARequired) as raised:
+        helpers.require_gpus(2)
+    assert "needs 2 GPUs" in raised.value._render_traceback_()[0]
+    assert helpers.require_gpus(1) == [torch.device("cuda", 0)]
+
+
 # ---------------------------------------------------------------------------- Colab set-up
 
 

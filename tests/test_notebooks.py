@@ -66,6 +66,21 @@ def test_provenance_matches_the_code(notebook):
         assert stamp.get(key), f"{path.name}: provenance lacks {key}"
 
 
+#: What a workshop can afford per notebook (seconds on the GPU it ran on; MiB of host memory
+#: for the kernel and its DataLoader workers together), unless the notebook's metadata says
+#: otherwise (``collection.budget``).
+BUDGET = {"wall_seconds": 90, "process_tree_peak_mib": 6144}
+
+
+def test_the_committed_run_kept_to_its_budget(notebook):
+    path, nb = notebook
+    info = nb.metadata[nbtool.METADATA_KEY]
+    stamp, budget = info["provenance"], {**BUDGET, **info.get("budget", {})}
+    for key, limit in budget.items():
+        if stamp.get(key) is not None:  # runs before the stamp had the field cannot say
+            assert stamp[key] <= limit, f"{path.name}: {key} = {stamp[key]} > {limit}"
+
+
 def test_a_changed_code_cell_is_caught(notebook):
     path, nb = notebook
     edited = copy.deepcopy(nb)

@@ -325,7 +325,14 @@ def main(argv: list[str] | None = None) -> int:
         return _check(args.fix)
     if args.command == "new":
         return _new(args.stem, args.title, args.question)
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for path in [p.resolve() for p in args.notebooks] or notebook_paths():
+        needed = read(path).metadata.get(METADATA_KEY, {}).get("requires_gpus", 1)
+        if visible < needed:  # keep the outputs of the host it needs
+            print(f"skipping {path.name}: requires {needed} GPUs, {visible} visible", flush=True)
+            continue
         print(f"executing {path.name} ...", flush=True)
         stamp = execute(path, args.timeout)
         print(f"  {stamp['wall_seconds']} s wall, kernel peak RSS "
