@@ -331,7 +331,9 @@ def benchmark(fn: Callable[[], object], *, min_run_time: float = 1.0) -> Timing:
     """
     from torch.utils import benchmark as tub
 
-    measurement = tub.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(
+    # Timer runs on one intra-op thread unless told otherwise; give it what the process has.
+    measurement = tub.Timer(stmt="fn()", globals={"fn": fn},
+                            num_threads=torch.get_num_threads()).blocked_autorange(
         min_run_time=min_run_time)
     return Timing(tuple(t * 1e3 for t in measurement.times), "torch.utils.benchmark")
 
@@ -423,6 +425,28 @@ def sync_probe(fn: Callable[[], object], *, busy_ms: float = 50.0) -> SyncProbe:
     return SyncProbe(host_ms, busy_ms, warned)
 
 
+def sanitizer_verdict(fn: Callable[[], object]) -> tuple[str, object]:
+    """Run ``fn`` under PyTorch's CUDA sanitizer (CSAN) and return its first data-race report
+    line ("no report" if none) and what ``fn`` returned (None if the sanitizer raised).
+
+    CSAN follows CUDA tensors across streams; it does not follow host memory.
+    """
+    import contextlib
+    import io
+
+    from torch.cuda._sanitizer import CUDASanitizerDispatchMode, CUDASanitizerErrors
+
+    report = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(report), CUDASanitizerDispatchMode():
+            result = fn()
+    except CUDASanitizerErrors:
+        result = None
+    torch.cuda.synchronize()
+    lines = report.getvalue().splitlines()
+    return next((line for line in lines if "data race" in line), "no report"), result
+
+
 # --------------------------------------------------------------------------------------------
 # 4. Host memory: page faults and the pinned (page-locked) pool
 # --------------------------------------------------------------------------------------------
@@ -458,16 +482,20 @@ def memlock_limit() -> str:
 
 
 def pinned_pool() -> dict[str, int]:
-    """What PyTorch's caching host allocator holds: bytes and blocks held (in use or cached),
-    and bytes in use. Block sizes are as requested from CUDA, after rounding."""
+    """What PyTorch's caching host allocator holds from CUDA: bytes and blocks, in use or
+    cached, block sizes as requested from CUDA after rounding.
+
+    There is no reliable "in use" figure: in torch 2.11 the ``active_*`` counters of
+    ``torch.cuda.host_memory_stats()`` are not decremented on every free (``freed`` goes
+    negative), so they only grow.
+    """
     stats = torch.cuda.host_memory_stats()
 
     def stat(*names: str) -> int:
         return next((int(stats[n]) for n in names if n in stats), 0)
 
     return {"held_bytes": stat("allocated_bytes.current", "reserved_bytes.current"),
-            "held_blocks": stat("allocations.current", "segment.current"),
-            "in_use_bytes": stat("active_bytes.current", "allocated_bytes.current")}
+            "held_blocks": stat("allocations.current", "segment.current")}
 
 
 def empty_pinned_cache() -> None:

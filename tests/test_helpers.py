@@ -536,3 +536,34 @@ def test_prefetcher_copies_the_next_batch_while_the_consumer_computes():
             batch.sum()
 
     assert helpers.overlap_fraction(helpers.profile_activities(loop), ("H2D",)) > 0.5
+
+
+@needs_cuda
+def test_sanitizer_verdict_reports_a_missing_wait_and_nothing_once_it_is_there():
+    def side_stream(wait):
+        def snippet():
+            side = torch.cuda.Stream()
+            values = torch.ones(1 << 20, device="cuda")
+            side.wait_stream(torch.cuda.current_stream())  # the ones are written first
+            with torch.cuda.stream(side):
+                values.mul_(2)
+            if wait:
+                torch.cuda.current_stream().wait_stream(side)
+            return values.sum().item()
+        return snippet
+
+    verdict, _ = helpers.sanitizer_verdict(side_stream(False))
+    assert "data race" in verdict
+    verdict, total = helpers.sanitizer_verdict(side_stream(True))
+    assert verdict == "no report" and total == 2 * (1 << 20)
+
+
+def test_benchmark_runs_with_the_process_intra_op_threads():
+    # torch.utils.benchmark's Timer alone would run fn on one thread
+    before, seen = torch.get_num_threads(), []
+    torch.set_num_threads(3)
+    try:
+        helpers.benchmark(lambda: seen.append(torch.get_num_threads()), min_run_time=0.01)
+    finally:
+        torch.set_num_threads(before)
+    assert set(seen) == {3}
