@@ -96,6 +96,18 @@ def kernel_peak_rss_mib(client) -> float | None:
     return int(match.group(1)) / 1024 if match else None
 
 
+def gpu_names(count: int = 1) -> str | None:
+    """The GPU a notebook ran on, or the ``count`` GPUs it needs ("2 x NVIDIA H200")."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    names = [torch.cuda.get_device_name(i) for i in range(min(count, torch.cuda.device_count()))]
+    if len(names) > 1 and len(set(names)) == 1:
+        return f"{len(names)} x {names[0]}"
+    return ", ".join(names)
+
+
 def execute(path: Path, timeout: int = 600) -> dict:
     """Run a notebook top to bottom in a fresh kernel in its folder; stamp and save it."""
     import torch
@@ -125,7 +137,7 @@ def execute(path: Path, timeout: int = 600) -> dict:
     wall = time.perf_counter() - start
     tree_peak = watch["tree"].stop() if "tree" in watch else None
     nb.metadata.setdefault(METADATA_KEY, {})["provenance"] = {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "gpu": gpu_names(nb.metadata.get(METADATA_KEY, {}).get("requires_gpus", 1)),
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "python": sys.version.split()[0],
         "date": dt.datetime.now(dt.UTC).date().isoformat(),
