@@ -264,8 +264,10 @@ def readme_table(paths: list[Path], conf: dict) -> str:
         headlines = [m for m in outputs_metadata(nb, "measurement") if m.get("headline")]
         result = "; ".join(f"{m['label']}: {format_value(m['value'], m['unit'])}"
                            for m in headlines) or "not run yet"
+        needs = info.get("requires_gpus", 1)
+        needs = f" *Needs {needs} GPUs.*" if needs > 1 else ""
         rows.append(f"| {path.name[:2]} | [{info.get('title', path.stem)}](notebooks/"
-                    f"{path.name}): {info.get('question', '')} | {result} | "
+                    f"{path.name}): {info.get('question', '')}{needs} | {result} | "
                     f"{badge(path.name, conf)} |")
         stamp = info.get("provenance")
         if stamp:
