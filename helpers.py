@@ -434,15 +434,24 @@ def sanitizer_verdict(fn: Callable[[], object]) -> tuple[str, object]:
     import contextlib
     import io
 
+    from torch._utils import CallbackRegistry
+    from torch.cuda import _gpu_trace
     from torch.cuda._sanitizer import CUDASanitizerDispatchMode, CUDASanitizerErrors
 
+    registries = [r for r in vars(_gpu_trace).values() if isinstance(r, CallbackRegistry)]
+    registered = [len(r.callback_list) for r in registries]
     report = io.StringIO()
     try:
         with contextlib.redirect_stderr(report), CUDASanitizerDispatchMode():
             result = fn()
     except CUDASanitizerErrors:
         result = None
-    torch.cuda.synchronize()
+    finally:
+        torch.cuda.synchronize()
+        # The mode registers its handlers for every CUDA event and allocation for good: take
+        # them off, or every later CUDA call in the process runs them.
+        for registry, count in zip(registries, registered, strict=True):
+            del registry.callback_list[count:]
     lines = report.getvalue().splitlines()
     return next((line for line in lines if "data race" in line), "no report"), result
 

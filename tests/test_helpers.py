@@ -558,6 +558,21 @@ def test_sanitizer_verdict_reports_a_missing_wait_and_nothing_once_it_is_there()
     assert verdict == "no report" and total == 2 * (1 << 20)
 
 
+@needs_cuda
+def test_sanitizer_verdict_leaves_no_handler_behind():
+    from torch._utils import CallbackRegistry
+    from torch.cuda import _gpu_trace
+
+    def handlers():
+        return [len(r.callback_list) for r in vars(_gpu_trace).values()
+                if isinstance(r, CallbackRegistry)]
+
+    helpers.sanitizer_verdict(lambda: torch.ones(4, device="cuda").sum().item())
+    before = handlers()
+    helpers.sanitizer_verdict(lambda: torch.ones(4, device="cuda").sum().item())
+    assert handlers() == before
+
+
 def test_benchmark_runs_with_the_process_intra_op_threads():
     # torch.utils.benchmark's Timer alone would run fn on one thread
     before, seen = torch.get_num_threads(), []
