@@ -12,6 +12,7 @@ or on Colab downloads this one file). Sections:
 6. Figures           one style, deterministic PNGs in ``figures/``
 7. Results, claims   measurements recorded in output metadata; claims checked as they run
 8. Batches           nested batches moved to a device; a side-stream prefetcher
+9. Check-up          time and profile a training step; name what it spends on moving data
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
@@ -1096,3 +1097,304 @@ class Prefetcher:
 
 
 _END = object()
+
+
+# --------------------------------------------------------------------------------------------
+# 9. Check-up: what a training step spends on moving data
+# --------------------------------------------------------------------------------------------
+
+STEP_MARK, NEXT_MARK = "checkup: step", "checkup: next batch"
+SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                        "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"})
+#: per kind of finding: what to change, and the notebooks that measure why
+ADVICE = {
+    "pageable_h2d": ("copy from pinned memory with non_blocking=True: DataLoader(pin_memory=True)"
+                     ", or pin once what repeats", ("01", "03", "06")),
+    "blocking_h2d": ("the source is pinned but the copy waits: add non_blocking=True", ("03",)),
+    "copy_exposed": ("copy batch k+1 on a side stream while step k computes "
+                     "(helpers.Prefetcher)", ("04", "07")),
+    "scalar_read": ("keep metrics on the GPU and read them every N steps through a pinned "
+                    "buffer and an event, not .item() every step", ("05", "09")),
+    "blocking_d2h": ("copy into pinned memory with non_blocking=True and wait on an event only "
+                     "when the values are needed", ("05",)),
+    "explicit_sync": ("drop torch.cuda.synchronize() from the step; time with CUDA events",
+                      ("00",)),
+    "hidden_sync": ("an operation whose output size depends on the data waits for the GPU: "
+                    "keep it off the hot path", ("00",)),
+    "data_wait": ("the loader does not keep up: more workers, compact (uint8) batches, "
+                  "work moved to the GPU", ("06", "07")),
+}
+PER_STEP = 0.5  # a copy or sync seen in at least every other step is part of the step
+EXPOSED_SHARE = 0.05  # of the step time: copy time not hidden behind compute worth a finding
+DATA_WAIT_SHARE = 0.10  # of the step time: host time waiting for the next batch
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # a key of ADVICE
+    seen: str  # what was measured, per step
+    cost_ms: float  # per step: the host wait or device time it stands for
+    advice: str
+    notebooks: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return (f"{self.kind}: {self.seen} -> {self.advice} "
+                f"(notebook {', '.join(self.notebooks)})")
+
+
+@dataclass
+class CheckupReport:
+    """What ``checkup`` saw; times per step in milliseconds, bytes per step."""
+
+    steps: int
+    step_ms: float  # unprofiled: host clock over ``timed_steps``, synchronised at both ends
+    profiled_step_ms: float  # first profiled step's start to the last work of the last one
+    gpu_busy: float  # union of kernel time / profiled wall time
+    h2d_pageable: tuple[float, float]  # (copies, bytes) per step
+    h2d_pinned: tuple[float, float]
+    d2h: tuple[float, float]
+    syncs: dict[str, float]  # cause -> syncs per step
+    host_wait_ms: float  # in synchronising calls, per step
+    data_wait_ms: float  # in next(batches), per step
+    copy_exposed_ms: float  # pinned host-to-device copy time with no kernel running, per step
+    findings: list[Finding] = field(default_factory=list)
+    activities: list[Activity] = field(default_factory=list, repr=False)
+
+    @property
+    def kinds(self) -> set[str]:
+        return {f.kind for f in self.findings}
+
+    def rows(self) -> list[tuple[str, str]]:
+        def copies(pair):
+            return f"{pair[0]:.3g} ({format_bytes(pair[1])})"
+
+        syncs = ", ".join(f"{cause} {n:.3g}" for cause, n in sorted(self.syncs.items())) or "0"
+        return [("step time (unprofiled)", f"{self.step_ms:.3g} ms"),
+                ("GPU busy (kernels / wall)", f"{self.gpu_busy:.2f}"),
+                ("H2D copies from pageable memory", copies(self.h2d_pageable)),
+                ("H2D copies from pinned memory", copies(self.h2d_pinned)),
+                ("D2H copies", copies(self.d2h)),
+                ("synchronisations, by cause", syncs),
+                ("host waiting in them", f"{self.host_wait_ms:.3g} ms"),
+                ("host waiting for the next batch", f"{self.data_wait_ms:.3g} ms"),
+                ("H2D copy time not hidden by compute", f"{self.copy_exposed_ms:.3g} ms")]
+
+    def __str__(self) -> str:
+        width = max(len(name) for name, _ in self.rows())
+        lines = [f"per step, over {self.steps} profiled steps"]
+        lines += [f"  {name:<{width}}  {value}" for name, value in self.rows()]
+        lines += ["findings:"] + ([f"  - {f}" for f in self.findings] or ["  none"])
+        return "\n".join(lines)
+
+    def step_window(self, first: int, count: int = 1) -> list[Activity]:
+        """The activities from the start of profiled step ``first`` to that of step
+        ``first + count`` (host clock), device work that started in that window included;
+        times from the window's start, ready for ``plot_timeline``."""
+        starts = sorted(a.start_us for a in self.activities if a.name == STEP_MARK)
+        begin = starts[first]
+        end = starts[first + count] if first + count < len(starts) else float("inf")
+        return [replace(a, start_us=a.start_us - begin, end_us=a.end_us - begin)
+                for a in self.activities if begin <= a.start_us < end]
+
+
+def _enclosing_ops(ops: list[dict], calls: list[dict]) -> dict[int, list[dict]]:
+    """For each call (by index), the cpu ops of its thread that contain it, outermost first."""
+    result: dict[int, list[dict]] = {}
+    by_thread: dict[tuple, list] = collections.defaultdict(list)
+    for op in ops:
+        by_thread[(op["pid"], op["tid"])].append((op["ts"], 0, op))
+    for index, call in enumerate(calls):
+        by_thread[(call["pid"], call["tid"])].append((call["ts"], 1, index))
+    for items in by_thread.values():
+        stack: list[dict] = []
+        for ts, is_call, item in sorted(items, key=lambda x: (x[0], x[1], -_dur(x[2], calls))):
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < ts:
+                stack.pop()
+            if is_call:
+                end = ts + calls[item]["dur"]
+                result[item] = [op for op in stack if op["ts"] + op["dur"] >= end]
+            else:
+                stack.append(item)
+    return result
+
+
+def _dur(item, calls) -> float:
+    return calls[item]["dur"] if isinstance(item, int) else item["dur"]
+
+
+def _sync_cause(enclosing: list[dict], copy_kind_of_op: dict[int, str]) -> str:
+    names = [op["name"] for op in enclosing]
+    if any(n in ("aten::item", "aten::_local_scalar_dense") for n in names):
+        return "scalar_read"
+    for op in reversed(enclosing):  # innermost copy first
+        kind = copy_kind_of_op.get(id(op))
+        if kind is not None:
+            return kind
+    if not any(n.startswith("aten::") for n in names):
+        return "explicit"
+    return "hidden:" + next(n for n in reversed(names) if n.startswith("aten::"))
+
+
+def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float("nan"),
+                          ) -> CheckupReport:
+    """Read a Chrome trace of ``steps`` steps, each marked with ``record_function(STEP_MARK)``
+    (and the wait for its batch with ``NEXT_MARK``), into a ``CheckupReport``."""
+    events = [e for e in _trace_events(trace) if e.get("ph") == "X"]
+    marks = [e for e in events if e.get("cat") == "user_annotation" and e["name"] == STEP_MARK]
+    if len(marks) != steps:
+        raise ValueError(f"expected {steps} '{STEP_MARK}' spans, found {len(marks)}")
+    thread = (marks[0]["pid"], marks[0]["tid"])
+    spans = sorted((m["ts"], m["ts"] + m["dur"]) for m in marks)
+    start, host_end = spans[0][0], max(end for _, end in spans)
+
+    def in_steps(e):
+        return any(s <= e["ts"] <= end for s, end in spans)
+
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    enclosing = _enclosing_ops(ops, calls)
+    call_of = {c.get("args", {}).get("correlation"): i for i, c in enumerate(calls)}
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+              and e["ts"] >= start]
+    device_end = max((e["ts"] + e["dur"] for e in device), default=host_end)
+    wall_us = max(host_end, device_end) - start
+
+    # copies: direction, pinned or pageable host side, and the cpu op that issued each
+    copy_kind_of_op: dict[int, str] = {}
+    totals = collections.defaultdict(lambda: [0, 0])
+    pinned_h2d, kernels = [], []
+    for e in device:
+        if e["cat"] == "kernel":
+            kernels.append((e["ts"], e["ts"] + e["dur"]))
+            continue
+        kind = _activity_kind(e["cat"], e["name"])
+        if kind not in ("H2D", "D2H"):
+            continue
+        pageable = "Pageable" in e["name"]
+        key = "d2h" if kind == "D2H" else ("h2d_pageable" if pageable else "h2d_pinned")
+        totals[key][0] += 1
+        totals[key][1] += e.get("args", {}).get("bytes", 0) or 0
+        if key == "h2d_pinned":
+            pinned_h2d.append((e["ts"], e["ts"] + e["dur"]))
+        issuer = call_of.get(e.get("args", {}).get("correlation"))
+        for op in enclosing.get(issuer, []):
+            if op["name"] == "aten::copy_":
+                copy_kind_of_op[id(op)] = {"d2h": "blocking_d2h", "h2d_pageable": "pageable_h2d",
+                                           "h2d_pinned": "blocking_h2d"}[key]
+
+    syncs: collections.Counter = collections.Counter()
+    wait_us: collections.Counter = collections.Counter()
+    for index, call in enumerate(calls):
+        if call["name"] in SYNC_CALLS and (call["pid"], call["tid"]) == thread \
+                and in_steps(call):
+            cause = _sync_cause(enclosing.get(index, []), copy_kind_of_op)
+            syncs[cause] += 1
+            wait_us[cause] += call["dur"]
+    data_wait_us = sum(e["dur"] for e in events if e.get("cat") == "user_annotation"
+                       and e["name"] == NEXT_MARK and (e["pid"], e["tid"]) == thread)
+    kernel_union = _union(kernels)
+    pinned_union = _union(pinned_h2d)
+    exposed_us = _length(pinned_union) - _intersection(pinned_union, kernel_union)
+
+    per_step_ms = wall_us / steps / 1e3
+    report = CheckupReport(
+        steps=steps, step_ms=step_ms, profiled_step_ms=per_step_ms,
+        gpu_busy=_length(kernel_union) / wall_us if wall_us else 0.0,
+        h2d_pageable=tuple(v / steps for v in totals["h2d_pageable"]),
+        h2d_pinned=tuple(v / steps for v in totals["h2d_pinned"]),
+        d2h=tuple(v / steps for v in totals["d2h"]),
+        syncs={cause: n / steps for cause, n in syncs.items()},
+        host_wait_ms=sum(wait_us.values()) / steps / 1e3,
+        data_wait_ms=data_wait_us / steps / 1e3,
+        copy_exposed_ms=exposed_us / steps / 1e3,
+        activities=parse_chrome_trace(trace))
+
+    def add(kind: str, seen: str, cost_ms: float) -> None:
+        advice, notebooks = ADVICE[kind.split(":")[0]]
+        report.findings.append(Finding(kind, seen, cost_ms, advice, notebooks))
+
+    def sync_ms(cause):
+        return wait_us[cause] / steps / 1e3
+
+    n, nbytes = report.h2d_pageable
+    if n >= PER_STEP:
+        pageable_us = sum(e["dur"] for e in device if e["cat"] == "gpu_memcpy"
+                          and "Pageable -> Device" in e["name"])
+        add("pageable_h2d", f"{n:.3g} copies ({format_bytes(nbytes)}) from pageable memory",
+            pageable_us / steps / 1e3 + sync_ms("pageable_h2d"))
+    for cause, what in (("blocking_h2d", "waits for its pinned H2D copy"),
+                        ("scalar_read", "reads a scalar from the GPU (.item())"),
+                        ("blocking_d2h", "waits for a D2H copy"),
+                        ("explicit", "synchronises explicitly")):
+        if syncs[cause] / steps >= PER_STEP:
+            add("explicit_sync" if cause == "explicit" else cause,
+                f"the host {what} {syncs[cause] / steps:.3g} times, waiting "
+                f"{sync_ms(cause):.3g} ms", sync_ms(cause))
+    for cause in sorted(c for c in syncs if c.startswith("hidden:")):
+        if syncs[cause] / steps >= PER_STEP:
+            add("hidden_sync", f"{cause[7:]} synchronises {syncs[cause] / steps:.3g} times, "
+                f"waiting {sync_ms(cause):.3g} ms", sync_ms(cause))
+    if report.copy_exposed_ms >= EXPOSED_SHARE * per_step_ms:
+        add("copy_exposed", f"{report.copy_exposed_ms:.3g} ms of pinned H2D copy with no "
+            f"kernel running ({report.copy_exposed_ms / per_step_ms:.0%} of the step)",
+            report.copy_exposed_ms)
+    if report.data_wait_ms >= DATA_WAIT_SHARE * per_step_ms:
+        add("data_wait", f"the host waits {report.data_wait_ms:.3g} ms for the next batch "
+            f"({report.data_wait_ms / per_step_ms:.0%} of the step)", report.data_wait_ms)
+    return report
+
+
+def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
+            timed_steps: int = 20, warmup: int = 3) -> CheckupReport:
+    """Time and profile a training step, and say what it spends on moving data.
+
+    ``step(batch)`` is called with batches from ``batches`` (``step()`` if there are none):
+    ``warmup`` steps, ``timed_steps`` timed on the host clock, then ``steps`` under the
+    profiler, so the source must yield ``warmup + timed_steps + steps`` batches. The wait for
+    each batch counts as part of its step. Returns a ``CheckupReport``: print it for a table
+    and the findings, each with what to change and the notebook that measures why.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    require_cuda()
+    source = iter(batches) if batches is not None else None
+    needed = warmup + timed_steps + steps
+
+    def one_step(taken: int) -> None:
+        with record_function(STEP_MARK):
+            if batches is None:
+                step()
+                return
+            with record_function(NEXT_MARK):
+                batch = next(source, _END)
+            if batch is _END:
+                raise ValueError(f"the batch source ran out after {taken} batches; "
+                                 f"checkup needs {needed}")
+            step(batch)
+
+    try:
+        for taken in range(warmup):
+            one_step(taken)
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        for taken in range(warmup, warmup + timed_steps):
+            one_step(taken)
+        torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - began) * 1e3 / max(timed_steps, 1)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                torch.cuda.synchronize()  # the profiler's set-up cost lands outside the steps
+                for taken in range(warmup + timed_steps, needed):
+                    one_step(taken)
+                torch.cuda.synchronize()
+    finally:
+        close = getattr(source, "close", None)  # a generator: let its loader shut down now
+        if close is not None:
+            close()
+        source = None  # a DataLoader iterator shuts its workers down when it is dropped
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    return analyze_checkup_trace(trace, steps, step_ms)

@@ -582,3 +582,173 @@ def test_benchmark_runs_with_the_process_intra_op_threads():
     finally:
         torch.set_num_threads(before)
     assert set(seen) == {3}
+
+
+# ---------------------------------------------------------------------------- check-up
+
+
+def _host(cat, name, ts, dur, correlation=None, tid=1):
+    event = {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+    if correlation is not None:
+        event["args"] = {"correlation": correlation}
+    return event
+
+
+def _device(cat, name, ts, dur, stream, correlation=None, nbytes=None):
+    event = _event(cat, name, ts, dur, stream, nbytes)
+    event["args"]["correlation"] = correlation
+    return event
+
+
+def _step_trace(step_us, body):
+    """Two steps of ``step_us``; ``body(t0, k)`` gives step k's events, starting at t0."""
+    events = []
+    for k in range(2):
+        t0 = 1000 + k * step_us
+        events.append(_host("user_annotation", helpers.STEP_MARK, t0, step_us - 1))
+        events += body(t0, k)
+    return {"traceEvents": events}
+
+
+def test_checkup_trace_names_a_pageable_copy_and_its_sync_once():
+    def body(t0, k):
+        return [_host("cpu_op", "aten::to", t0 + 10, 400),
+                _host("cpu_op", "aten::copy_", t0 + 20, 380),
+                _host("cuda_runtime", "cudaMemcpyAsync", t0 + 30, 200, correlation=10 + k),
+                _host("cuda_runtime", "cudaStreamSynchronize", t0 + 240, 150),
+                _device("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", t0 + 40, 300, 7,
+                        correlation=10 + k, nbytes=1 << 20),
+                _device("kernel", "conv", t0 + 420, 500, 7)]
+
+    report = helpers.analyze_checkup_trace(_step_trace(1000, body), steps=2)
+    assert report.kinds == {"pageable_h2d"}
+    assert report.h2d_pageable == (1, 1 << 20)
+    assert report.syncs == {"pageable_h2d": 1}
+    assert report.host_wait_ms == pytest.approx(0.15)
+    assert report.gpu_busy == pytest.approx(1000 / 2000, rel=0.01)
+    finding = report.findings[0]
+    assert finding.cost_ms == pytest.approx(0.45) and "01" in finding.notebooks
+    assert "pageable_h2d" in str(report)
+
+
+def test_checkup_trace_tells_item_from_a_blocking_d2h_and_an_explicit_sync():
+    def body(t0, k):
+        return [_host("cpu_op", "aten::item", t0 + 10, 100),
+                _host("cpu_op", "aten::_local_scalar_dense", t0 + 11, 98),
+                _host("cuda_runtime", "cudaMemcpyAsync", t0 + 12, 5, correlation=20 + k),
+                _host("cuda_runtime", "cudaStreamSynchronize", t0 + 20, 80),
+                _device("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", t0 + 90, 2, 7,
+                        correlation=20 + k, nbytes=4),
+                _host("cpu_op", "aten::copy_", t0 + 200, 100),
+                _host("cuda_runtime", "cudaMemcpyAsync", t0 + 201, 5, correlation=30 + k),
+                _host("cuda_runtime", "cudaStreamSynchronize", t0 + 210, 80),
+                _device("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", t0 + 280, 10, 7,
+                        correlation=30 + k, nbytes=4096),
+                _host("cuda_runtime", "cudaDeviceSynchronize", t0 + 400, 50),
+                _device("kernel", "k", t0 + 100, 100, 7)]
+
+    report = helpers.analyze_checkup_trace(_step_trace(1000, body), steps=2)
+    assert report.kinds == {"scalar_read", "blocking_d2h", "explicit_sync"}
+    assert report.syncs == {"scalar_read": 1, "blocking_d2h": 1, "explicit": 1}
+    assert report.d2h == (2, 4100)
+
+
+def test_checkup_trace_sees_an_exposed_pinned_copy_and_a_hidden_one():
+    def exposed(t0, k):
+        return [_device("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", t0, 200, 7, nbytes=8),
+                _device("kernel", "k", t0 + 200, 700, 7)]
+
+    def hidden(t0, k):
+        return [_device("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", t0 + 100, 200, 9,
+                        nbytes=8),
+                _device("kernel", "k", t0, 990, 7)]
+
+    report = helpers.analyze_checkup_trace(_step_trace(1000, exposed), steps=2)
+    assert report.kinds == {"copy_exposed"}
+    assert report.copy_exposed_ms == pytest.approx(0.2)
+    clean = helpers.analyze_checkup_trace(_step_trace(1000, hidden), steps=2)
+    assert clean.findings == [] and clean.copy_exposed_ms == 0
+    assert clean.gpu_busy > 0.95
+
+
+def test_checkup_trace_sees_waiting_for_data_and_ignores_other_threads():
+    def body(t0, k):
+        return [_host("user_annotation", helpers.NEXT_MARK, t0, 300),
+                _host("cuda_runtime", "cudaStreamSynchronize", t0 + 400, 500, tid=2),
+                _device("kernel", "k", t0 + 300, 690, 7)]
+
+    report = helpers.analyze_checkup_trace(_step_trace(1000, body), steps=2)
+    assert report.kinds == {"data_wait"}
+    assert report.syncs == {}
+    with pytest.raises(ValueError, match="expected 3"):
+        helpers.analyze_checkup_trace(_step_trace(1000, body), steps=3)
+
+
+def test_checkup_trace_reads_an_item_once_every_ten_steps_as_no_finding():
+    def body(t0, k):
+        events = [_device("kernel", "k", t0, 990, 7)]
+        if k == 0:
+            events += [_host("cpu_op", "aten::item", t0 + 10, 100),
+                       _host("cpu_op", "aten::_local_scalar_dense", t0 + 11, 98),
+                       _host("cuda_runtime", "cudaStreamSynchronize", t0 + 20, 80)]
+        return events
+
+    trace = _step_trace(1000, body)
+    assert helpers.analyze_checkup_trace(trace, steps=2).kinds == {"scalar_read"}  # 1 in 2
+    marks = [e for e in trace["traceEvents"] if e["name"] == helpers.STEP_MARK]
+    for k in range(2, 10):  # eight more steps without a read: 1 in 10
+        trace["traceEvents"].append({**marks[0], "ts": 1000 + k * 1000})
+        trace["traceEvents"].append(_device("kernel", "k", 1000 + k * 1000, 990, 7))
+    assert helpers.analyze_checkup_trace(trace, steps=10).findings == []
+
+
+# A small step whose one defect is planted: the check-up must name that one and nothing else.
+CHECKUP_BYTES = 16 << 20
+
+
+def _planted_steps():
+    compute_ms = 3.0
+    device = torch.device("cuda")
+    resident = torch.ones(CHECKUP_BYTES // 4, device=device)
+    pageable = [torch.ones(CHECKUP_BYTES // 4) for _ in range(2)]
+    pinned = [t.pin_memory() for t in pageable]
+
+    def compute(x):
+        helpers.gpu_busy(compute_ms)
+        return x.sum()
+
+    cases = {
+        "pageable_h2d": (lambda b: compute(b.to(device)), pageable),
+        "scalar_read": (lambda b: compute(b).item(), [resident]),
+        "blocking_d2h": (lambda b: (compute(b), b[:1 << 18].cpu()), [resident]),
+        "copy_exposed": (lambda b: compute(b.to(device, non_blocking=True)), pinned),
+        "explicit_sync": (lambda b: (compute(b), torch.cuda.synchronize()), [resident]),
+        None: (compute, "prefetched"),
+    }
+    return cases, pinned
+
+
+@needs_cuda
+@pytest.mark.parametrize("planted", ["pageable_h2d", "scalar_read", "blocking_d2h",
+                                     "copy_exposed", "explicit_sync", None])
+def test_checkup_names_exactly_the_planted_defect(planted):
+    import itertools
+
+    cases, pinned = _planted_steps()
+    step, source = cases[planted]
+    if source == "prefetched":  # the clean step: pinned batches, copied one step ahead
+        source = helpers.Prefetcher(itertools.islice(itertools.cycle(pinned), 40))
+    else:
+        source = itertools.cycle(source)
+    report = helpers.checkup(step, source, steps=6, timed_steps=5, warmup=2)
+    assert report.kinds == ({planted} if planted else set()), str(report)
+    if planted is None:
+        assert report.gpu_busy > 0.9 and report.h2d_pinned[0] == pytest.approx(1)
+        assert report.copy_exposed_ms < 0.05 * report.profiled_step_ms
+    assert report.step_ms > 0 and report.step_window(1)
+
+
+@needs_cuda
+def test_checkup_says_when_the_batches_run_out():
+    with pytest.raises(ValueError, match="ran out after 4 batches"):
+        helpers.checkup(lambda b: b, [torch.ones(1)] * 4, steps=2, timed_steps=2, warmup=1)
