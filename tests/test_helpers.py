@@ -671,7 +671,7 @@ def test_checkup_trace_sees_an_exposed_pinned_copy_and_a_hidden_one():
     assert clean.gpu_busy > 0.95
 
 
-def test_checkup_trace_sees_waiting_for_data_and_ignores_other_threads():
+def test_checkup_trace_sees_the_gpu_idle_waiting_for_data_and_ignores_other_threads():
     def body(t0, k):
         return [_host("user_annotation", helpers.NEXT_MARK, t0, 300),
                 _host("cuda_runtime", "cudaStreamSynchronize", t0 + 400, 500, tid=2),
@@ -679,7 +679,15 @@ def test_checkup_trace_sees_waiting_for_data_and_ignores_other_threads():
 
     report = helpers.analyze_checkup_trace(_step_trace(1000, body), steps=2)
     assert report.kinds == {"data_wait"}
+    assert report.data_wait_ms == pytest.approx(0.3) and report.data_idle_ms == pytest.approx(0.3)
     assert report.syncs == {}
+
+    def busy_meanwhile(t0, k):  # the GPU still runs queued work: the wait costs nothing
+        return [_host("user_annotation", helpers.NEXT_MARK, t0, 300),
+                _device("kernel", "k", t0, 990, 7)]
+
+    report = helpers.analyze_checkup_trace(_step_trace(1000, busy_meanwhile), steps=2)
+    assert report.findings == [] and report.data_wait_ms == pytest.approx(0.3)
     with pytest.raises(ValueError, match="expected 3"):
         helpers.analyze_checkup_trace(_step_trace(1000, body), steps=3)
 
@@ -752,3 +760,15 @@ def test_checkup_names_exactly_the_planted_defect(planted):
 def test_checkup_says_when_the_batches_run_out():
     with pytest.raises(ValueError, match="ran out after 4 batches"):
         helpers.checkup(lambda b: b, [torch.ones(1)] * 4, steps=2, timed_steps=2, warmup=1)
+
+
+@needs_cuda
+def test_checkup_names_a_loader_that_starves_the_gpu():
+    def slow_batches():
+        while True:
+            time.sleep(0.004)  # a loader that takes longer per batch than the step's GPU work
+            yield torch.ones(1024, device="cuda")
+
+    report = helpers.checkup(lambda b: (helpers.gpu_busy(1.0), b.sum()), slow_batches(),
+                             steps=6, timed_steps=5, warmup=2)
+    assert report.kinds == {"data_wait"}, str(report)

@@ -127,11 +127,56 @@ def test_figures_are_named_after_their_notebook():
     assert strays == []
 
 
-def test_readme_table_is_current():
+def test_readme_generated_sections_are_current():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    table = nbtool.readme_table(NOTEBOOKS, nbtool.settings())
-    assert nbtool.readme_with_table(readme, table) == readme, (
-        "README.md's notebook table is stale: python tools/nbtool.py check --fix")
+    assert nbtool.current_readme(readme, NOTEBOOKS, nbtool.settings()) == readme, (
+        "README.md's notebook table or teaching section is stale: "
+        "python tools/nbtool.py check --fix")
+
+
+def test_a_stale_rule_of_thumb_is_caught(notebook):
+    path, nb = notebook
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rule = nb.metadata["collection"]["rules"][0]["rule"]
+    assert rule in readme
+    edited = readme.replace(rule, rule + " (edited by hand)")
+    assert nbtool.current_readme(edited, NOTEBOOKS, nbtool.settings()) == readme
+
+
+def test_every_notebook_ends_with_a_checked_hidden_solution(notebook):
+    path, nb = notebook
+    solutions = [c for c in nb.cells if nbtool.is_solution_cell(c)]
+    assert solutions and all(c.metadata["jupyter"]["source_hidden"] for c in solutions)
+    ran = [o for c in solutions for o in c.get("outputs", [])
+           if o.get("metadata", {}).get("collection", {}).get("claim")]
+    assert ran, f"{path.name}: the committed run shows no claim checked by the solution"
+
+
+def test_the_format_checker_catches_a_missing_or_visible_solution(notebook):
+    path, nb = notebook
+    conf = nbtool.settings()
+    visible = copy.deepcopy(nb)
+    cell = next(c for c in visible.cells if nbtool.is_solution_cell(c))
+    cell.metadata["jupyter"]["source_hidden"] = False
+    cell.source = cell.source.replace("helpers.claim(", "print(")
+    problems = nbtool.format_problems(path, visible, conf)
+    assert any("hidden" in p for p in problems) and any("helpers.claim" in p for p in problems)
+    missing = copy.deepcopy(nb)
+    for c in missing.cells:
+        c.metadata.get("tags", []).clear() if nbtool.is_solution_cell(c) else None
+    assert any("tagged 'solution'" in p for p in nbtool.format_problems(path, missing, conf))
+    nbtool.fix(visible, path, conf)
+    assert not any("hidden" in p for p in nbtool.format_problems(path, visible, conf))
+
+
+def test_a_rule_must_cite_a_recorded_measurement(notebook):
+    path, nb = notebook
+    if not nbtool.outputs_metadata(nb, "measurement"):
+        pytest.skip(f"{path.name} has not been run yet")
+    edited = copy.deepcopy(nb)
+    edited.metadata["collection"]["rules"][0]["evidence"] = "never_recorded"
+    assert any("never_recorded" in p
+               for p in nbtool.format_problems(path, edited, nbtool.settings()))
 
 
 def test_ruff_is_clean():

@@ -3,7 +3,9 @@
     python tools/nbtool.py run [NOTEBOOK ...]   execute on a GPU machine (default: all), stamp
                                                 provenance, save outputs, refresh the README table
     python tools/nbtool.py check [--fix]        format check: header and badge, set-up cell,
-                                                Colab metadata, README table (--fix rewrites them)
+                                                Colab metadata, exercise and hidden solution,
+                                                teaching metadata, the README's generated
+                                                sections (--fix rewrites what it can)
     python tools/nbtool.py new NN_topic "Title" "The question?"   start a notebook in the format
 
 The tests import the functions below, so that what `run` stamps and what the tests verify is
@@ -32,7 +34,11 @@ METADATA_KEY = "collection"  # same namespace as helpers.METADATA_KEY
 NAME_PATTERN = re.compile(r"^(\d\d)_[a-z0-9_]+\.ipynb$")
 SETUP_TAG = "colab-setup"
 CPU_OK_TAG = "cpu-ok"
+SOLUTION_TAG = "solution"
+SOLUTION_TITLE = "# @title Solution"  # Colab's form title: the code stays hidden until asked for
+EXERCISE_HEADING = "## Exercise"
 TABLE_START, TABLE_END = "<!-- notebook-table:start -->", "<!-- notebook-table:end -->"
+TEACHING_START, TEACHING_END = "<!-- teaching:start -->", "<!-- teaching:end -->"
 
 
 def settings() -> dict:
@@ -196,6 +202,57 @@ CANONICAL_METADATA = {
 }
 
 
+def is_solution_cell(cell) -> bool:
+    return cell.cell_type == "code" and SOLUTION_TAG in cell.metadata.get("tags", [])
+
+
+def solution_problems(name: str, nb) -> list[str]:
+    """A workshop notebook ends with an exercise and a worked solution: a code cell tagged
+    ``solution``, hidden until asked for (JupyterLab: source_hidden; Colab: a form titled
+    "Solution"), whose result is checked by a claim, after an "## Exercise" heading."""
+    cells = nb.cells
+    solutions = [i for i, c in enumerate(cells) if is_solution_cell(c)]
+    if not solutions:
+        return [f"{name}: needs a code cell tagged '{SOLUTION_TAG}' (the exercise's solution)"]
+    problems = []
+    exercise = [i for i, c in enumerate(cells) if c.cell_type == "markdown"
+                and any(line.startswith(EXERCISE_HEADING) for line in c.source.splitlines())]
+    if not exercise or exercise[0] > solutions[0]:
+        problems.append(f"{name}: a markdown cell with '{EXERCISE_HEADING}' must come before "
+                        "the first solution")
+    for i in solutions:
+        cell = cells[i]
+        if not cell.source.startswith(SOLUTION_TITLE + "\n"):
+            problems.append(f"{name}, cell {i}: a solution starts with '{SOLUTION_TITLE}'")
+        if cell.metadata.get("jupyter", {}).get("source_hidden") is not True \
+                or cell.metadata.get("cellView") != "form":
+            problems.append(f"{name}, cell {i}: a solution is hidden (jupyter.source_hidden, "
+                            "cellView: form)")
+        if "helpers.claim(" not in cell.source:
+            problems.append(f"{name}, cell {i}: a solution checks its result with helpers.claim")
+    return problems
+
+
+def teaching_problems(name: str, nb) -> list[str]:
+    """The syllabus and the rules of thumb in the README come from this metadata."""
+    info = nb.metadata.get(METADATA_KEY, {})
+    problems = []
+    if not isinstance(info.get("builds_on"), list) or not info.get("concepts"):
+        problems.append(f"{name}: metadata.{METADATA_KEY} needs builds_on (notebook numbers) "
+                        "and concepts (for the README's syllabus)")
+    rules = info.get("rules")
+    if not rules:
+        problems.append(f"{name}: metadata.{METADATA_KEY}.rules needs at least one rule of "
+                        "thumb with the key of the measurement that supports it")
+        return problems
+    recorded = {m["key"] for m in outputs_metadata(nb, "measurement")}
+    for rule in rules:
+        if recorded and rule.get("evidence") not in recorded:
+            problems.append(f"{name}: the rule '{rule.get('rule')}' cites "
+                            f"{rule.get('evidence')!r}, which the notebook does not record")
+    return problems
+
+
 def format_problems(path: Path, nb, conf: dict) -> list[str]:
     name = path.name
     problems = []
@@ -216,7 +273,7 @@ def format_problems(path: Path, nb, conf: dict) -> list[str]:
             or CPU_OK_TAG not in cells[1].metadata.get("tags", []):
         problems.append(f"{name}: the second cell should be the canonical set-up cell, tagged "
                         f"{SETUP_TAG} and {CPU_OK_TAG}")
-    return problems
+    return problems + solution_problems(name, nb) + teaching_problems(name, nb)
 
 
 def fix(nb, path: Path, conf: dict) -> None:
@@ -236,6 +293,12 @@ def fix(nb, path: Path, conf: dict) -> None:
     for tag in (SETUP_TAG, CPU_OK_TAG):
         if tag not in tags:
             tags.append(tag)
+    for cell in nb.cells:
+        if is_solution_cell(cell):
+            cell.metadata.setdefault("jupyter", {})["source_hidden"] = True
+            cell.metadata["cellView"] = "form"
+            if cell.source.startswith("# Solution\n"):
+                cell.source = SOLUTION_TITLE + cell.source[len("# Solution"):]
 
 
 # ---------------------------------------------------------------------------- recorded results
@@ -277,9 +340,60 @@ def readme_table(paths: list[Path], conf: dict) -> str:
     return "\n".join(rows) + f"\n\nCommitted outputs come from: {source}."
 
 
+def _minutes(nb) -> float | None:
+    stamp = nb.metadata.get(METADATA_KEY, {}).get("provenance")
+    return None if not stamp else stamp["wall_seconds"] / 60
+
+
+def teaching_section(paths: list[Path], conf: dict) -> str:
+    """The syllabus, the agendas and the rules of thumb, from the notebooks' metadata and
+    their recorded measurements: regenerated, never typed."""
+    from helpers import format_value
+
+    notebooks = {path.name[:2]: (path, read(path)) for path in paths}
+    rows = ["| # | the question | builds on | concepts | GPU time (committed run) |",
+            "|---|---|---|---|---|"]
+    for number, (path, nb) in notebooks.items():
+        info = nb.metadata.get(METADATA_KEY, {})
+        minutes = _minutes(nb)
+        needs = info.get("requires_gpus", 1)
+        gpu_time = "not run yet" if minutes is None else f"{minutes:.1f} min"
+        gpu_time += f" on {needs} GPUs" if needs > 1 else ""
+        rows.append(f"| [{number}](notebooks/{path.name}) | {info.get('question', '')} | "
+                    f"{', '.join(info.get('builds_on', [])) or '-'} | "
+                    f"{', '.join(info.get('concepts', []))} | {gpu_time} |")
+    agendas = ["", "Suggested agendas (GPU time is the committed runs' wall time; allow about "
+               "ten minutes of discussion and prediction per notebook):", ""]
+    for agenda, numbers in conf.get("agendas", {}).items():
+        minutes = sum(_minutes(notebooks[n][1]) or 0 for n in numbers if n in notebooks)
+        agendas.append(f"- **{agenda}**: notebooks {', '.join(numbers)} "
+                       f"({minutes:.1f} min of GPU time in all)")
+    rules = ["", "### Rules of thumb", "",
+             "Each rule cites the measurement that supports it, from the notebook's committed "
+             "run.", ""]
+    for number, (path, nb) in notebooks.items():
+        measured = {m["key"]: m for m in outputs_metadata(nb, "measurement")}
+        for rule in nb.metadata.get(METADATA_KEY, {}).get("rules", []):
+            m = measured.get(rule["evidence"])
+            evidence = (f"{m['label']}: {format_value(m['value'], m['unit'])}" if m
+                        else "not measured yet")
+            rules.append(f"- {rule['rule']} *{evidence}* ([{number}](notebooks/{path.name}))")
+    return "\n".join(rows + agendas + rules)
+
+
+def _replace_between(text: str, start_mark: str, end_mark: str, body: str) -> str:
+    start, end = text.index(start_mark) + len(start_mark), text.index(end_mark)
+    return text[:start] + "\n" + body + "\n" + text[end:]
+
+
 def readme_with_table(text: str, table: str) -> str:
-    start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)
-    return text[:start] + "\n" + table + "\n" + text[end:]
+    return _replace_between(text, TABLE_START, TABLE_END, table)
+
+
+def current_readme(text: str, paths: list[Path], conf: dict) -> str:
+    """The README with both generated sections (notebook table, teaching) regenerated."""
+    text = readme_with_table(text, readme_table(paths, conf))
+    return _replace_between(text, TEACHING_START, TEACHING_END, teaching_section(paths, conf))
 
 
 # ---------------------------------------------------------------------------- command line
@@ -297,12 +411,13 @@ def _check(fix_mode: bool) -> int:
             found = format_problems(path, read(path), conf)
         problems += found
     readme = README.read_text(encoding="utf-8")
-    wanted = readme_with_table(readme, readme_table(notebook_paths(), conf))
+    wanted = current_readme(readme, notebook_paths(), conf)
     if readme != wanted:
         if fix_mode:
             README.write_text(wanted, encoding="utf-8")
         else:
-            problems.append("README.md: the notebook table is out of date")
+            problems.append("README.md: the notebook table or the teaching section is out of "
+                            "date")
     for problem in problems:
         print(problem)
     hint = "" if fix_mode else " (python tools/nbtool.py check --fix rewrites them)"
@@ -352,9 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {stamp['wall_seconds']} s wall, kernel peak RSS "
               f"{stamp['kernel_peak_rss_mib']} MiB, kernel and its children together "
               f"{stamp['process_tree_peak_mib']} MiB (PSS), on {stamp['gpu']}", flush=True)
-    README.write_text(readme_with_table(README.read_text(encoding="utf-8"),
-                                        readme_table(notebook_paths(), settings())),
-                      encoding="utf-8")
+    README.write_text(current_readme(README.read_text(encoding="utf-8"), notebook_paths(),
+                                     settings()), encoding="utf-8")
     return 0
 
 
