@@ -7,6 +7,8 @@
                                                 teaching metadata, the README's generated
                                                 sections (--fix rewrites what it can)
     python tools/nbtool.py new NN_topic "Title" "The question?"   start a notebook in the format
+    python tools/nbtool.py site                 build the static site from the committed outputs
+                                                (nothing executed) into _site/
 
 The tests import the functions below, so that what `run` stamps and what the tests verify is
 computed by one piece of code.
@@ -15,11 +17,15 @@ computed by one piece of code.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as dt
 import hashlib
 import json
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from pathlib import Path
@@ -39,6 +45,7 @@ SOLUTION_TITLE = "# @title Solution"  # Colab's form title: the code stays hidde
 EXERCISE_HEADING = "## Exercise"
 TABLE_START, TABLE_END = "<!-- notebook-table:start -->", "<!-- notebook-table:end -->"
 TEACHING_START, TEACHING_END = "<!-- teaching:start -->", "<!-- teaching:end -->"
+COLAB_BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
 
 
 def settings() -> dict:
@@ -166,8 +173,12 @@ def colab_url(name: str, conf: dict) -> str:
 
 
 def badge(name: str, conf: dict) -> str:
-    return ("[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
-            f"({colab_url(name, conf)})")
+    return f"[![Open In Colab]({COLAB_BADGE})]({colab_url(name, conf)})"
+
+
+def github_url(relative: str, conf: dict) -> str:
+    """A file of the repository (path relative to its root) as GitHub shows it."""
+    return f"https://github.com/{conf['repository']}/blob/{conf['branch']}/{relative}"
 
 
 def header_source(name: str, nb, conf: dict) -> str:
@@ -315,18 +326,31 @@ def outputs_metadata(nb, kind: str) -> list[dict]:
     return found
 
 
-def readme_table(paths: list[Path], conf: dict) -> str:
+def measurement_text(m: dict) -> str:
+    """A recorded value as the notebook printed it and the README quotes it."""
     from helpers import format_value  # the notebooks' own formatting of recorded values
 
+    return f"{m['label']}: {format_value(m['value'], m['unit'])}"
+
+
+def headline_texts(nb) -> list[str]:
+    return [measurement_text(m) for m in outputs_metadata(nb, "measurement") if m.get("headline")]
+
+
+def run_text(stamp: dict) -> str:
+    """Where a committed run was made: GPU, torch and CUDA, Python."""
+    return (f"{stamp['gpu']}, torch {stamp['torch']} (CUDA {stamp['cuda']}), "
+            f"Python {stamp['python']}")
+
+
+def readme_table(paths: list[Path], conf: dict) -> str:
     rows = ["| # | notebook: the question | headline result (committed run) | |",
             "|---|---|---|---|"]
     runs = set()
     for path in paths:
         nb = read(path)
         info = nb.metadata.get(METADATA_KEY, {})
-        headlines = [m for m in outputs_metadata(nb, "measurement") if m.get("headline")]
-        result = "; ".join(f"{m['label']}: {format_value(m['value'], m['unit'])}"
-                           for m in headlines) or "not run yet"
+        result = "; ".join(headline_texts(nb)) or "not run yet"
         needs = info.get("requires_gpus", 1)
         needs = f" *Needs {needs} GPUs.*" if needs > 1 else ""
         rows.append(f"| {path.name[:2]} | [{info.get('title', path.stem)}](notebooks/"
@@ -334,8 +358,7 @@ def readme_table(paths: list[Path], conf: dict) -> str:
                     f"{badge(path.name, conf)} |")
         stamp = info.get("provenance")
         if stamp:
-            runs.add(f"{stamp['gpu']}, torch {stamp['torch']} (CUDA {stamp['cuda']}), "
-                     f"Python {stamp['python']}")
+            runs.add(run_text(stamp))
     source = "; ".join(sorted(runs)) or "no notebook has been executed yet"
     return "\n".join(rows) + f"\n\nCommitted outputs come from: {source}."
 
@@ -348,8 +371,6 @@ def _minutes(nb) -> float | None:
 def teaching_section(paths: list[Path], conf: dict) -> str:
     """The syllabus, the agendas and the rules of thumb, from the notebooks' metadata and
     their recorded measurements: regenerated, never typed."""
-    from helpers import format_value
-
     notebooks = {path.name[:2]: (path, read(path)) for path in paths}
     rows = ["| # | the question | builds on | concepts | GPU time (committed run) |",
             "|---|---|---|---|---|"]
@@ -375,8 +396,7 @@ def teaching_section(paths: list[Path], conf: dict) -> str:
         measured = {m["key"]: m for m in outputs_metadata(nb, "measurement")}
         for rule in nb.metadata.get(METADATA_KEY, {}).get("rules", []):
             m = measured.get(rule["evidence"])
-            evidence = (f"{m['label']}: {format_value(m['value'], m['unit'])}" if m
-                        else "not measured yet")
+            evidence = measurement_text(m) if m else "not measured yet"
             rules.append(f"- {rule['rule']} *{evidence}* ([{number}](notebooks/{path.name}))")
     return "\n".join(rows + agendas + rules)
 
@@ -394,6 +414,97 @@ def current_readme(text: str, paths: list[Path], conf: dict) -> str:
     """The README with both generated sections (notebook table, teaching) regenerated."""
     text = readme_with_table(text, readme_table(paths, conf))
     return _replace_between(text, TEACHING_START, TEACHING_END, teaching_section(paths, conf))
+
+
+# ---------------------------------------------------------------------------- the site
+
+SITE = ROOT / "_site"  # the built site (ignored by git)
+SITE_CONFIG = ROOT / "tools" / "site"  # Sphinx's conf.py, the stylesheet, the local badge
+SITE_BADGE = "/_assets/colab-badge.svg"  # the badge, served by the site itself (srcdir-absolute)
+HIDE_TAG = "hide-cell"  # myst-nb folds a cell so tagged, source and outputs, behind a click
+_RELATIVE_LINK = re.compile(r"(\]\()(?!https?:|mailto:|#)([^)\s#]+)(#[^)\s]*)?(\))")
+
+
+def site_title() -> str:
+    """The site's title: the README's first heading."""
+    first = README.read_text(encoding="utf-8").splitlines()[0]
+    return first.removeprefix("# ").strip()
+
+
+def site_page(path: Path) -> str:
+    """Where a notebook's page lies in the built site, relative to its root."""
+    return f"notebooks/{path.stem}.html"
+
+
+def provenance_markdown(name: str, nb, conf: dict) -> str:
+    stamp = nb.metadata.get(METADATA_KEY, {}).get("provenance")
+    link = f"The notebook: [`notebooks/{name}` on GitHub]({github_url('notebooks/' + name, conf)})."
+    if not stamp:
+        body = "This notebook has not been run yet: it has no outputs."
+    else:
+        body = (f"Every output on this page comes from the committed run, not from building the "
+                f"site: **{stamp['gpu']}**, torch {stamp['torch']} (CUDA {stamp['cuda']}), "
+                f"Python {stamp['python']}, on {stamp['date']}, {stamp['wall_seconds']:g} s "
+                "from first cell to last.")
+    return f"```{{admonition}} The committed run\n:class: provenance\n\n{body}\n\n{link}\n```"
+
+
+def site_notebook(nb, name: str, conf: dict):
+    """The copy of a notebook that the site shows: its solutions folded (the committed ones
+    stay as they are), the badge served locally, the provenance under the header."""
+    nb = copy.deepcopy(nb)
+    for cell in nb.cells:
+        if is_solution_cell(cell):
+            cell.metadata.setdefault("tags", []).append(HIDE_TAG)
+    nb.cells[0].source = nb.cells[0].source.replace(COLAB_BADGE, SITE_BADGE)
+    nb.cells.insert(1, nbformat.v4.new_markdown_cell(provenance_markdown(name, nb, conf)))
+    return nb
+
+
+def site_landing_page(readme: str, paths: list[Path], conf: dict) -> str:
+    """The README as the site's first page: notebooks and figures link within the site, other
+    files of the repository to GitHub; a table of contents in notebook order."""
+    local = {f"notebooks/{p.name}" for p in paths}
+
+    def link(match: re.Match) -> str:
+        target = match.group(2)
+        if target in local or target.startswith("figures/"):
+            return match.group(0)
+        return f"{match.group(1)}{github_url(target, conf)}{match.group(3) or ''}{match.group(4)}"
+
+    text = _RELATIVE_LINK.sub(link, readme).replace(COLAB_BADGE, SITE_BADGE)
+    entries = "\n".join(f"notebooks/{p.stem}" for p in paths)
+    return f"{text.rstrip()}\n\n```{{toctree}}\n:hidden:\n:caption: Notebooks\n\n{entries}\n```\n"
+
+
+def stage_site(src: Path, conf: dict) -> None:
+    """The site's sources, in ``src``: the landing page, the notebooks' copies, the figures."""
+    paths = notebook_paths()
+    (src / "notebooks").mkdir(parents=True)
+    for path in paths:
+        write(site_notebook(read(path), path.name, conf), src / "notebooks" / path.name)
+    shutil.copytree(ROOT / "figures", src / "figures")
+    (src / "_assets").mkdir()
+    shutil.copy(SITE_CONFIG / "colab-badge.svg", src / "_assets")
+    (src / "index.md").write_text(site_landing_page(README.read_text(encoding="utf-8"), paths,
+                                                    conf), encoding="utf-8")
+
+
+def build_site(out: Path = SITE) -> Path:
+    """Build the site from the committed outputs into ``out`` (replaced); a Sphinx warning fails
+    the build."""
+    with tempfile.TemporaryDirectory(prefix="site-") as tmp:
+        src, html = Path(tmp, "src"), Path(tmp, "html")
+        stage_site(src, settings())
+        sphinx = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going",
+                                 "-q", "-c", str(SITE_CONFIG), "-d", str(Path(tmp, "doctrees")),
+                                 str(src), str(html)])
+        if sphinx.returncode:
+            raise SystemExit("the site's build failed: see Sphinx's messages above")
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(html, out)
+    return out
 
 
 # ---------------------------------------------------------------------------- command line
@@ -449,11 +560,18 @@ def main(argv: list[str] | None = None) -> int:
     new.add_argument("stem")
     new.add_argument("title")
     new.add_argument("question")
+    site = sub.add_parser("site", help="build the static site from the committed outputs")
+    site.add_argument("--out", type=Path, default=SITE, help="where (default: _site/)")
     args = parser.parse_args(argv)
     if args.command == "check":
         return _check(args.fix)
     if args.command == "new":
         return _new(args.stem, args.title, args.question)
+    if args.command == "site":
+        start = time.perf_counter()
+        out = build_site(args.out.resolve())
+        print(f"built {out} in {time.perf_counter() - start:.1f} s; open {out / 'index.html'}")
+        return 0
     import torch
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0

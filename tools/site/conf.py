@@ -1,0 +1,53 @@
+"""Sphinx configuration of the collection's site (built by ``python tools/nbtool.py site``).
+
+nbtool stages the sources (the README as the landing page, copies of the notebooks with their
+solutions folded) in a temporary folder and builds them with this folder as the configuration
+directory. Nothing is executed: every output on the site is the committed GPU run's. Nothing is
+loaded from another host either: no CDN scripts, fonts or badges.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tools import nbtool  # noqa: E402
+
+_conf = nbtool.settings()
+
+project = nbtool.site_title()
+author = _conf["repository"].split("/")[0]
+copyright = author
+root_doc = "index"
+extensions = ["myst_nb"]
+exclude_patterns = ["**.ipynb_checkpoints"]
+
+# The notebooks: shown as committed, never run here (CI has no GPU).
+nb_execution_mode = "off"
+nb_merge_streams = True
+# myst-nb would add require.js and the widgets bundle from CDNs; no notebook has widgets.
+nb_ipywidgets_js = {}
+# The only folded cells are the solutions (nbtool tags them hide-cell in the staged copies).
+nb_code_prompt_show = "Show the solution"
+nb_code_prompt_hide = "Hide the solution"
+
+myst_heading_anchors = 3  # the README's "#section" links
+smartquotes = False  # labels such as .to("cpu") must read as in the code and the README
+
+html_theme = "sphinx_book_theme"
+html_title = project
+html_favicon = "favicon.svg"  # without one, browsers ask for /favicon.ico and log a 404
+html_static_path = ["static"]
+html_css_files = ["site.css"]
+html_js_files = ["site.js"]
+html_copy_source = False  # the staged copies differ from the committed notebooks: link to those
+html_show_sourcelink = False
+html_theme_options = {
+    "repository_url": f"https://github.com/{_conf['repository']}",
+    "repository_branch": _conf["branch"],
+    "use_repository_button": True,
+    "use_download_button": False,
+    "home_page_in_toc": True,
+    "show_toc_level": 2,
+}
+# The figures are drawn on white. (Without a mode, the theme logs a console error.)
+html_context = {"default_mode": "light"}
