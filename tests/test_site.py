@@ -1,0 +1,364 @@
+"""The rendered site, checked in a real browser (headless Chromium, driven by Playwright).
+
+The site is built once per session from the committed outputs (``python tools/nbtool.py site``
+does the same into ``_site/``), served on 127.0.0.1, and every page is opened: the landing page,
+each notebook's page and the search page. ``check_page`` returns what is wrong with one page, as a
+list of problems; the planted-fault test shows that it reports a missing figure, a broken
+internal link and a solution shown open.
+
+Needs Debian's ``chromium`` (``apt-get install chromium``) and the ``playwright`` package; no
+browser download (``playwright install``) is used. Without them, these tests skip.
+"""
+
+from __future__ import annotations
+
+import functools
+import html.parser
+import http.server
+import os
+import re
+import shutil
+import threading
+import time
+import urllib.parse
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tools import nbtool
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync"]
+VIEWPORT = {"width": 1400, "height": 900}
+SCREENSHOTS = nbtool.ROOT / "_site_screenshots"
+SCREENSHOT_PAGES = ("index.html", "notebooks/07_prefetching.html")
+#: a figure narrower than this on screen (or than itself, if smaller) is too small to read
+READABLE_PX = 700
+SEARCH_WORD = "pinned"
+
+
+# ---------------------------------------------------------------------------- what each page shows
+
+
+@dataclass
+class Solution:
+    title: str  # the source's first line
+    output: str  # the first line of its first text output
+
+
+@dataclass
+class PageSpec:
+    path: str  # relative to the site's root
+    texts: list[str] = field(default_factory=list)  # visible on the page
+    links: list[str] = field(default_factory=list)  # hrefs the page must have (absolute or
+    # relative to the site's root)
+    solutions: list[Solution] = field(default_factory=list)
+
+
+def _first_text_line(output) -> str:
+    text = output.get("text") or output.get("data", {}).get("text/plain", "")
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def notebook_spec(path: Path, conf: dict) -> PageSpec:
+    nb = nbtool.read(path)
+    stamp = nb.metadata[nbtool.METADATA_KEY]["provenance"]
+    solutions = []
+    for cell in nb.cells:
+        if nbtool.is_solution_cell(cell):
+            outputs = [_first_text_line(o) for o in cell.get("outputs", [])]
+            solutions.append(Solution(cell.source.splitlines()[0],
+                                      next((o for o in outputs if o), "")))
+    return PageSpec(
+        nbtool.site_page(path),
+        texts=nbtool.headline_texts(nb) + [stamp["gpu"], f"torch {stamp['torch']}",
+                                           stamp["date"]],
+        links=[nbtool.colab_url(path.name, conf),
+               nbtool.github_url(f"notebooks/{path.name}", conf)],
+        solutions=solutions)
+
+
+def expected_pages() -> list[PageSpec]:
+    """The landing page (every notebook's headline numbers, a link to every page) and one page
+    per notebook (its headline numbers and provenance, its badge, its .ipynb, its solutions)."""
+    conf = nbtool.settings()
+    paths = nbtool.notebook_paths()
+    notebooks = [notebook_spec(path, conf) for path in paths]
+    landing = PageSpec("index.html",
+                       texts=[t for p in paths for t in nbtool.headline_texts(nbtool.read(p))],
+                       links=[s.path for s in notebooks]
+                       + [nbtool.colab_url(p.name, conf) for p in paths])
+    return [landing, *notebooks]
+
+
+# ---------------------------------------------------------------------------- the checker
+
+
+class _Anchors(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag, attrs):
+        for name, value in attrs:
+            if name == "id" or (tag == "a" and name == "name"):
+                self.ids.add(value)
+
+
+@functools.cache
+def _anchors(file: Path, mtime: float) -> frozenset[str]:
+    parser = _Anchors()
+    parser.feed(file.read_text(encoding="utf-8"))
+    return frozenset(parser.ids)
+
+
+def _local_file(site: Path, url_path: str) -> Path:
+    relative = urllib.parse.unquote(url_path).lstrip("/")
+    file = site / relative
+    return file / "index.html" if relative == "" or url_path.endswith("/") else file
+
+
+def link_problems(site: Path, origin: str, hrefs: list[str]) -> list[str]:
+    """Internal links whose page or #anchor does not exist in the built site."""
+    problems = []
+    for href in sorted(set(hrefs)):
+        parsed = urllib.parse.urlsplit(href)
+        if f"{parsed.scheme}://{parsed.netloc}" != origin:
+            continue  # another site (GitHub, Colab): a link, never a request
+        file = _local_file(site, parsed.path)
+        if not file.is_file():
+            problems.append(f"broken link: {href} (no {file.relative_to(site)})")
+        elif parsed.fragment and file.suffix == ".html" and urllib.parse.unquote(
+                parsed.fragment) not in _anchors(file, file.stat().st_mtime):
+            problems.append(f"broken link: {href} (no #{parsed.fragment} on that page)")
+    return problems
+
+
+_IMAGES_JS = """async () => {
+  const images = [...document.images];
+  images.forEach(i => { i.loading = 'eager'; });
+  await Promise.all(images.map(i => i.complete ? null : new Promise(done => {
+    i.addEventListener('load', done); i.addEventListener('error', done);
+    setTimeout(done, 5000);
+  })));
+  return images.map(i => ({src: i.currentSrc || i.src, natural: i.naturalWidth,
+                           shown: i.getBoundingClientRect().width,
+                           figure: !!i.closest('.cell_output'), alt: i.alt}));
+}"""
+
+
+def _squeezed(text: str) -> str:
+    return re.sub(r"\s+", " ", text)
+
+
+def _visible_text(locator) -> str:
+    """The text a reader sees (innerText leaves out what is folded or hidden)."""
+    return _squeezed(locator.inner_text())
+
+
+def solution_problems(page, solutions: list[Solution]) -> list[str]:
+    """Each solution (source and outputs) is folded until its summary is clicked, then shown."""
+    cells = page.locator(".cell.tag_solution")
+    if cells.count() != len(solutions):
+        return [f"solutions: {cells.count()} on the page, the notebook has {len(solutions)}"]
+    problems = []
+    for index, solution in enumerate(solutions):
+        cell = cells.nth(index)
+        before = _visible_text(cell)
+        shown = (("source", _squeezed(solution.title)), ("output", _squeezed(solution.output)))
+        for what, text in shown:
+            if text in before:
+                problems.append(f"solution {index + 1} visible before click: its {what} "
+                                f"'{text}'")
+        summary = cell.locator("summary")
+        if summary.count() != 1 or not summary.is_visible():
+            problems.append(f"solution {index + 1}: no summary to click")
+            continue
+        summary.click()
+        after = _visible_text(cell)
+        for what, text in shown:
+            if text not in after:
+                problems.append(f"solution {index + 1} not shown after click: its {what} "
+                                f"'{text}'")
+    return problems
+
+
+def check_page(browser, site: Path, origin: str, spec: PageSpec,
+               screenshot: Path | None = None) -> list[str]:
+    """What is wrong with one page of the site: console errors, requests to another host or
+    failing, images not loaded or too small, broken internal links, expected text or links
+    missing, solutions not folded. An empty list: nothing."""
+    context = browser.new_context(viewport=VIEWPORT)
+    page = context.new_page()
+    problems: list[str] = []
+
+    def on_request(route):
+        url = route.request.url
+        if url.startswith((origin + "/", "data:", "blob:")):
+            route.continue_()
+        else:
+            problems.append(f"request leaving the site: {url}")
+            route.abort()
+
+    context.route("**/*", on_request)
+    page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}")
+            if m.type == "error" else None)
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("requestfailed", lambda r: r.url.startswith(origin) and problems.append(
+        f"request failed: {r.url} ({r.failure})"))
+    page.on("response", lambda r: r.status >= 400 and problems.append(
+        f"HTTP {r.status}: {r.url}"))
+    try:
+        page.goto(f"{origin}/{spec.path}", wait_until="load")
+        for image in page.evaluate(_IMAGES_JS):
+            if image["natural"] == 0:
+                problems.append(f"image not loaded: {image['src']}")
+            elif image["figure"] and image["shown"] < min(image["natural"], READABLE_PX) - 1:
+                problems.append(f"figure too small: {image['src']} shown {image['shown']:.0f} "
+                                f"px wide of {image['natural']}")
+            elif image["alt"] == "Open In Colab" and image["shown"] < image["natural"] - 1:
+                problems.append(f"badge squeezed: {image['shown']:.0f} px wide")
+        hrefs = page.eval_on_selector_all("a[href]", "links => links.map(a => a.href)")
+        problems += link_problems(site, origin, hrefs)
+        for link in spec.links:
+            wanted = link if "://" in link else f"{origin}/{link}"
+            if wanted not in hrefs:
+                problems.append(f"missing link: {wanted}")
+        text = _visible_text(page.locator("main"))
+        problems += [f"not shown: '{t}'" for t in spec.texts if _squeezed(t) not in text]
+        nav = [h.split("#")[0] for h in page.eval_on_selector_all(
+            "nav.bd-docs-nav a.reference.internal", "links => links.map(a => a.href)")]
+        order = [f"{origin}/{p.path}" for p in expected_pages()[1:]]
+        if [h for h in nav if h in order] != order:
+            problems.append("navigation: the notebooks are not listed in order")
+        if screenshot is not None:
+            screenshot.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(screenshot), full_page=True)
+        problems += solution_problems(page, spec.solutions)
+    finally:
+        context.close()
+    return problems
+
+
+def search_problems(browser, origin: str, word: str, pages: list[str]) -> list[str]:
+    """The site's search (offline, its own index) finds ``word`` on some of ``pages``."""
+    context = browser.new_context(viewport=VIEWPORT)
+    page = context.new_page()
+    errors = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    try:
+        page.goto(f"{origin}/search.html?q={word}", wait_until="load")
+        page.wait_for_selector("#search-results ul.search li a", timeout=15000)
+        found = page.eval_on_selector_all("#search-results ul.search li a",
+                                          "links => links.map(a => a.href.split('?')[0])")
+    except Exception as error:  # reported as a problem
+        return [f"search for '{word}': no results ({type(error).__name__})", *errors]
+    finally:
+        context.close()
+    hits = [p for p in pages if f"{origin}/{p}" in found]
+    return [f"console error: {e}" for e in errors] + (
+        [] if hits else [f"search for '{word}' found none of the notebooks: {found}"])
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@contextmanager
+def serve(folder: Path):
+    """Serve ``folder`` on 127.0.0.1 (a free port); yields the origin, http://127.0.0.1:PORT."""
+    handler = functools.partial(_QuietHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="session")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api",
+                                   reason="the playwright package is not installed")
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip("Chromium is not installed (apt-get install chromium)")
+    with sync_api.sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory, browser) -> Path:
+    start = time.perf_counter()
+    built = nbtool.build_site(tmp_path_factory.mktemp("site") / "_site")
+    print(f"site built in {time.perf_counter() - start:.1f} s")
+    return built
+
+
+@pytest.fixture(scope="session")
+def origin(site):
+    with serve(site) as address:
+        yield address
+
+
+# ---------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.parametrize("spec", expected_pages(), ids=lambda s: s.path)
+def test_page(browser, site, origin, spec):
+    shot = SCREENSHOTS / spec.path.replace("/", "_").replace(".html", ".png") \
+        if spec.path in SCREENSHOT_PAGES else None
+    assert check_page(browser, site, origin, spec, shot) == []
+
+
+def test_search_finds_the_notebooks(browser, origin):
+    pages = [spec.path for spec in expected_pages()[1:]]
+    assert search_problems(browser, origin, SEARCH_WORD, pages) == []
+
+
+def test_the_checker_reports_planted_faults(browser, site, tmp_path):
+    """A missing figure, a broken internal link and a solution shown open each make the check
+    fail, and name what is wrong."""
+    faulty = tmp_path / "site"
+    shutil.copytree(site, faulty)
+    pages = {spec.path: spec for spec in expected_pages()}
+    first, second = (spec.path for spec in list(pages.values())[1:3])
+
+    # a figure missing: the first output image of the first notebook's page
+    page = (faulty / first).read_text(encoding="utf-8")
+    figure = re.search(r'<div class="cell_output[^"]*">.*?<img[^>]*src="([^"]+)"', page,
+                       re.S).group(1)
+    (faulty / first).parent.joinpath(figure).resolve().unlink()
+    # a broken internal link: the landing page's link to the second notebook
+    landing = faulty / "index.html"
+    broken = second.replace(".html", "_gone.html")
+    landing.write_text(landing.read_text(encoding="utf-8").replace(f'href="{second}"',
+                       f'href="{broken}"', 1), encoding="utf-8")
+    # a solution shown open: the second notebook's first one
+    path = faulty / second
+    text = path.read_text(encoding="utf-8")
+    opened = re.sub(r'(<div class="cell tag_solution[^"]*">\s*<details)', r"\1 open", text,
+                    count=1)
+    assert opened != text
+    path.write_text(opened, encoding="utf-8")
+
+    with serve(faulty) as address:
+        found = {p: check_page(browser, faulty, address, pages[p])
+                 for p in (first, "index.html", second)}
+    assert any(p.startswith("image not loaded") and figure.split("/")[-1] in p
+               for p in found[first]), found[first]
+    assert any(p.startswith("broken link") and broken in p for p in found["index.html"]), \
+        found["index.html"]
+    assert any(p.startswith("solution 1 visible before click") for p in found[second]), \
+        found[second]
