@@ -82,7 +82,8 @@ def notebook_spec(path: Path, conf: dict) -> PageSpec:
         solutions=solutions)
 
 
-def expected_pages() -> list[PageSpec]:
+@functools.cache
+def expected_pages() -> tuple[PageSpec, ...]:
     """The landing page (every notebook's headline numbers, a link to every page) and one page
     per notebook (its headline numbers and provenance, its badge, its .ipynb, its solutions)."""
     conf = nbtool.settings()
@@ -92,7 +93,7 @@ def expected_pages() -> list[PageSpec]:
                        texts=[t for p in paths for t in nbtool.headline_texts(nbtool.read(p))],
                        links=[s.path for s in notebooks]
                        + [nbtool.colab_url(p.name, conf) for p in paths])
-    return [landing, *notebooks]
+    return (landing, *notebooks)
 
 
 # ---------------------------------------------------------------------------- the checker
@@ -230,6 +231,8 @@ def check_page(browser, site: Path, origin: str, spec: PageSpec,
                 problems.append(f"missing link: {wanted}")
         text = _visible_text(page.locator("main"))
         problems += [f"not shown: '{t}'" for t in spec.texts if _squeezed(t) not in text]
+        if spec.solutions and not page.locator(".cell_input .highlight span.k").count():
+            problems.append("code not highlighted (no keyword marked in any code cell)")
         nav = [h.split("#")[0] for h in page.eval_on_selector_all(
             "nav.bd-docs-nav a.reference.internal", "links => links.map(a => a.href)")]
         order = [f"{origin}/{p.path}" for p in expected_pages()[1:]]
@@ -340,11 +343,12 @@ def test_the_checker_reports_planted_faults(browser, site, tmp_path):
     figure = re.search(r'<div class="cell_output[^"]*">.*?<img[^>]*src="([^"]+)"', page,
                        re.S).group(1)
     (faulty / first).parent.joinpath(figure).resolve().unlink()
-    # a broken internal link: the landing page's link to the second notebook
+    # a broken internal link: the landing page's link to the second notebook; and an anchor
+    # that its target page lacks
     landing = faulty / "index.html"
     broken = second.replace(".html", "_gone.html")
-    landing.write_text(landing.read_text(encoding="utf-8").replace(f'href="{second}"',
-                       f'href="{broken}"', 1), encoding="utf-8")
+    text = landing.read_text(encoding="utf-8").replace(f'href="{second}"', f'href="{broken}"', 1)
+    landing.write_text(text.replace('href="#', 'href="#gone-', 1), encoding="utf-8")
     # a solution shown open: the second notebook's first one
     path = faulty / second
     text = path.read_text(encoding="utf-8")
@@ -359,6 +363,8 @@ def test_the_checker_reports_planted_faults(browser, site, tmp_path):
     assert any(p.startswith("image not loaded") and figure.split("/")[-1] in p
                for p in found[first]), found[first]
     assert any(p.startswith("broken link") and broken in p for p in found["index.html"]), \
+        found["index.html"]
+    assert any(p.startswith("broken link") and "(no #gone-" in p for p in found["index.html"]), \
         found["index.html"]
     assert any(p.startswith("solution 1 visible before click") for p in found[second]), \
         found[second]

@@ -500,7 +500,7 @@ def build_site(out: Path = SITE) -> Path:
                                  "-q", "-c", str(SITE_CONFIG), "-d", str(Path(tmp, "doctrees")),
                                  str(src), str(html)])
         if sphinx.returncode:
-            raise SystemExit("the site's build failed: see Sphinx's messages above")
+            raise RuntimeError("the site's build failed: see Sphinx's messages above")
         if out.exists():
             shutil.rmtree(out)
         shutil.copytree(html, out)
@@ -569,7 +569,11 @@ def main(argv: list[str] | None = None) -> int:
         return _new(args.stem, args.title, args.question)
     if args.command == "site":
         start = time.perf_counter()
-        out = build_site(args.out.resolve())
+        try:
+            out = build_site(args.out.resolve())
+        except RuntimeError as error:
+            print(error, file=sys.stderr)
+            return 1
         print(f"built {out} in {time.perf_counter() - start:.1f} s; open {out / 'index.html'}")
         return 0
     import torch
