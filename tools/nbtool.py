@@ -9,6 +9,9 @@
     python tools/nbtool.py new NN_topic "Title" "The question?"   start a notebook in the format
     python tools/nbtool.py site                 build the static site from the committed outputs
                                                 (nothing executed) into _site/
+    python tools/nbtool.py restamp --helpers-from REV [NOTEBOOK ...]   add helpers_units to
+                                                stamps made before they had it, where helpers.py
+                                                at REV is provably the one that made the outputs
 
 The tests import the functions below, so that what `run` stamps and what the tests verify is
 computed by one piece of code.
@@ -17,6 +20,7 @@ computed by one piece of code.
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import datetime as dt
 import hashlib
@@ -28,6 +32,7 @@ import sys
 import tempfile
 import time
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
@@ -84,6 +89,201 @@ def helpers_sha256() -> str:
     return hashlib.sha256((ROOT / "helpers.py").read_bytes()).hexdigest()
 
 
+# What of helpers.py a notebook can reach. The notebooks' outputs depend on the parts of
+# helpers.py that their code can reach, not on the whole file: each top-level statement of
+# helpers.py is a unit, hashed by its own text (so a line shift elsewhere changes nothing); a
+# notebook reaches the units its cells name, what those units name in turn, and every statement
+# that runs on import whatever is used (an `if`, a call, `from __future__`). The stamp keeps one
+# hash per reached unit, and one (ORDER_KEY) of the order in which the reached imports,
+# assignments and other statements run, with any definitions of one name twice: moving such a
+# statement past another can change what the module holds. A notebook is stale when one of them
+# changed, appeared or vanished.
+
+
+@dataclass
+class Unit:
+    """One top-level statement of helpers.py."""
+
+    key: str  # the first name it defines (``name #2`` for a later one); always: <statement: sha>
+    names: tuple[str, ...]  # the module-level names it binds (none for an always-unit)
+    source: str  # its exact lines, from its first decorator to its last line
+    always: bool  # runs on import and affects the module whatever is used: in every reach
+    deps: frozenset[str]  # the keys of the other units it names
+    ordered: bool  # its place among the others can matter (not a def or class of its own name)
+
+    @property
+    def sha(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()[:16]
+
+
+#: Module-level names that make every attribute access go through them.
+_MODULE_HOOKS = {"__getattr__", "__dir__"}
+#: Calls that read or write the module's namespace without naming what they touch.
+_NAMESPACE_CALLS = {"globals", "eval", "exec"}
+_NO_ARGUMENT_NAMESPACE_CALLS = {"vars", "dir", "locals"}
+ORDER_KEY = "<order of statements>"
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")  # ast's line breaks, not \f
+
+
+def _target_names(target) -> list[str] | None:
+    """The names an assignment target binds; None when it writes into something else."""
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, ast.Starred):
+        return _target_names(target.value)
+    if isinstance(target, ast.Tuple | ast.List):
+        names = [_target_names(t) for t in target.elts]
+        return None if None in names else [n for group in names for n in group]
+    return None  # obj.attr = ..., table[key] = ...: a side effect on import
+
+
+def _bound_names(node) -> list[str] | None:
+    """The module-level names a top-level statement binds; None for an always-unit."""
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return None if node.name in _MODULE_HOOKS else [node.name]
+    if isinstance(node, ast.Import):
+        return [a.asname or a.name.split(".")[0] for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        if node.module == "__future__" or any(a.name == "*" for a in node.names):
+            return None  # compiler directives, or names nobody can list
+        return [a.asname or a.name for a in node.names]
+    if isinstance(node, ast.Assign):
+        names = [_target_names(t) for t in node.targets]
+        return None if None in names else [n for group in names for n in group]
+    if isinstance(node, ast.AnnAssign | ast.AugAssign):
+        return _target_names(node.target)
+    return None
+
+
+def _uses(node) -> tuple[set[str], bool]:
+    """The names a statement mentions, and whether it reaches the namespace wholesale."""
+    names, everything = set(), False
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name):
+            names.add(sub.id)
+            everything |= sub.id == "globals"
+        elif isinstance(sub, ast.Global | ast.Nonlocal):
+            names.update(sub.names)
+        elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name):
+            everything |= sub.func.id in _NAMESPACE_CALLS or (
+                sub.func.id in _NO_ARGUMENT_NAMESPACE_CALLS and not sub.args)
+        elif (isinstance(sub, ast.Subscript) and isinstance(sub.value, ast.Attribute)
+              and sub.value.attr == "modules"):
+            everything |= any(isinstance(n, ast.Name) and n.id == "__name__"
+                              for n in ast.walk(sub.slice))  # sys.modules[__name__]
+    return names, everything
+
+
+def helpers_units(text: str) -> dict[str, Unit]:
+    """helpers.py's top-level statements as units, by key (in the order of the file)."""
+    tree = ast.parse(text)
+    lines = _LINE.findall(text)
+    body = tree.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]  # the module's docstring
+    found = []  # (key, names, source, uses, everything)
+    for node in body:
+        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        source = "".join(lines[start - 1:node.end_lineno])
+        names = _bound_names(node)
+        base = (f"<statement: {hashlib.sha256(source.encode()).hexdigest()[:16]}>"
+                if names is None else names[0])
+        key, count = base, 1
+        while any(key == other[0] for other in found):
+            count += 1
+            key = f"{base} #{count}"
+        found.append((key, names, source, *_uses(node)))
+    defined: dict[str, set[str]] = {}
+    for key, names, *_ in found:
+        for name in names or ():
+            defined.setdefault(name, set()).add(key)
+    every = {key for key, *_ in found}
+    units = {}
+    for (key, names, source, uses, everything), node in zip(found, body, strict=True):
+        deps = every if everything else {k for n in uses for k in defined.get(n, ())}
+        definition = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        ordered = not definition or any(len(defined[n]) > 1 for n in names or ())
+        units[key] = Unit(key, tuple(names or ()), source, names is None,
+                          frozenset(deps - {key}), ordered)
+    return units
+
+
+_FROM_HELPERS = re.compile(r"\bfrom\s+helpers\s+import\s+(\([^)]*\)|(?:[^\n;#\\]|\\\n)*)")
+_HELPERS_ALIAS = re.compile(r"\bimport\s+helpers\s+as\s+(\w+)")
+
+
+def _hides_names(text: str, module: str) -> bool:
+    """Whether code uses ``module`` (helpers or an alias of it) in a way that hides which of
+    its names it uses: a star import, getattr, its namespace, or the module object handed on."""
+    m = re.escape(module)
+    patterns = [rf"\bgetattr\(\s*{m}\s*,", rf"\bvars\(\s*{m}\s*\)", rf"\bdir\(\s*{m}\s*\)",
+                rf"\b{m}\s*\.\s*__dict__",
+                # h = helpers, f(helpers), [helpers]: the module under another name
+                rf"(?<!reload)(?:[=(\[,:]|\breturn|\byield)\s*{m}\s*(?:$|[,)\];#])"]
+    return any(re.search(p, text, re.M) for p in patterns)
+
+
+def notebook_helpers_roots(nb) -> set[str] | None:
+    """The names of helpers.py that a notebook's code cells use, read from their raw text (so
+    a script the notebook writes to a file counts too); None when a cell hides which names it
+    uses (``from helpers import *``, ``getattr(helpers, ...)``...): the whole module then."""
+    texts = [c.source for c in nb.cells if c.cell_type == "code"]
+    text = "\n".join(texts)
+    if re.search(r"\bfrom\s+helpers\s+import\s+\(?\s*\*", text) \
+            or re.search(r"""(["'])helpers\1""", text):  # sys.modules["helpers"], import_module
+        return None
+    modules = {"helpers"} | set(_HELPERS_ALIAS.findall(text))
+    if any(_hides_names(text, module) for module in modules):
+        return None
+    roots = set()
+    for module in modules:
+        roots.update(re.findall(rf"\b{re.escape(module)}\.(\w+)", text))
+    for imported in _FROM_HELPERS.findall(text):
+        imported = re.sub(r"#[^\n]*", "", imported).strip("()")
+        for item in imported.replace("\\\n", " ").split(","):
+            if item.split():
+                roots.add(item.split()[0])  # "name" or "name as alias"
+    return roots
+
+
+def helpers_reach(nb, text: str | None = None) -> dict[str, str]:
+    """The units of helpers.py (``text``, default: the current file) that a notebook's code can
+    reach, each with the hash of its text: what its outputs may depend on."""
+    if text is None:
+        text = (ROOT / "helpers.py").read_bytes().decode("utf-8")
+    units = helpers_units(text)
+    roots = notebook_helpers_roots(nb)
+    if roots is None:
+        reached = set(units)
+    else:
+        by_name = {}
+        for unit in units.values():
+            for name in unit.names:
+                by_name.setdefault(name, set()).add(unit.key)
+        todo = [k for root in roots for k in by_name.get(root, ())]
+        todo += [unit.key for unit in units.values() if unit.always]
+        reached = set()
+        while todo:
+            key = todo.pop()
+            if key not in reached:
+                reached.add(key)
+                todo.extend(units[key].deps - reached)
+    reach = {key: units[key].sha for key in sorted(reached)}
+    order = [key for key in units if key in reached and units[key].ordered]  # file order
+    reach[ORDER_KEY] = hashlib.sha256("\n".join(order).encode()).hexdigest()[:16]
+    return reach
+
+
+def _reach_changes(stamped: dict, now: dict, shown: int = 12) -> str:
+    """Which units differ between two reaches, for a problem line."""
+    changes = sorted(k for k in stamped.keys() & now.keys() if stamped[k] != now[k])
+    changes += [f"{k} is new" for k in sorted(now.keys() - stamped.keys())]
+    changes += [f"{k} is gone" for k in sorted(stamped.keys() - now.keys())]
+    more = len(changes) - shown
+    return ", ".join(changes[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
 def provenance_problems(nb, name: str) -> list[str]:
     """Why the committed outputs may not come from the committed code (empty list: they do)."""
     stamp = nb.metadata.get(METADATA_KEY, {}).get("provenance")
@@ -93,9 +293,54 @@ def provenance_problems(nb, name: str) -> list[str]:
     problems = []
     if stamp.get("code_sha256") != code_sha256(nb):
         problems.append(f"{name}: its code cells changed since its outputs were made; {rerun}")
-    if stamp.get("helpers_sha256") != helpers_sha256():
+    if "helpers_units" in stamp:  # only what the notebook can reach counts
+        stamped, now = stamp["helpers_units"], helpers_reach(nb)
+        if stamped != now:
+            problems.append(f"{name}: helpers.py changed where it reaches "
+                            f"({_reach_changes(stamped, now)}) since its outputs were made; "
+                            f"{rerun}")
+    elif stamp.get("helpers_sha256") != helpers_sha256():  # stamped before helpers_units
         problems.append(f"{name}: helpers.py changed since its outputs were made; {rerun}")
     return problems
+
+
+def helpers_at(rev: str, root: Path | None = None) -> bytes:
+    """helpers.py as committed at git revision ``rev``: the blob's bytes, unfiltered."""
+    done = subprocess.run(["git", "cat-file", "blob", f"{rev}:./helpers.py"], cwd=root or ROOT,
+                          capture_output=True)
+    if done.returncode:
+        raise ValueError(f"git has no helpers.py at {rev!r}: "
+                         f"{done.stderr.decode(errors='replace').strip()}")
+    return done.stdout
+
+
+def restamp(path: Path, old: bytes, rev: str) -> str:
+    """Add ``helpers_units`` to the stamp of a notebook run before stamps had it, computed over
+    ``old`` (helpers.py at ``rev``), and only where that is provably the helpers.py its outputs
+    were made with and its code cells are the ones that ran; nothing else in the notebook
+    changes. Raises ValueError, touching nothing, otherwise. Returns what it did."""
+    name = path.name
+    nb = read(path)
+    stamp = nb.metadata.get(METADATA_KEY, {}).get("provenance")
+    if not stamp:
+        raise ValueError(f"{name}: refused: it has no provenance stamp; run it on a GPU")
+    sha = hashlib.sha256(old).hexdigest()
+    if stamp.get("helpers_sha256") != sha:
+        raise ValueError(
+            f"{name}: refused: helpers.py at {rev} (sha256 {sha[:12]}) is not the helpers.py "
+            f"its outputs were made with (sha256 {str(stamp.get('helpers_sha256'))[:12]})"
+            "; the commit that last changed the notebook is a likely one: "
+            f"git log -1 --format=%h -- notebooks/{name}")
+    if stamp.get("code_sha256") != code_sha256(nb):
+        raise ValueError(f"{name}: refused: its code cells changed since its outputs were made, "
+                         "so what they reached then cannot be told; re-run it on a GPU: "
+                         f"python tools/nbtool.py run notebooks/{name}")
+    units = helpers_reach(nb, old.decode("utf-8"))
+    if stamp.get("helpers_units") == units:
+        return f"{name}: its stamp already has these helpers_units ({len(units)} entries)"
+    stamp["helpers_units"] = units
+    write(nb, path)
+    return f"{name}: stamped helpers_units ({len(units)} entries) from helpers.py at {rev}"
 
 
 def kernel_peak_rss_mib(client) -> float | None:
@@ -158,6 +403,7 @@ def execute(path: Path, timeout: int = 600) -> dict:
         "kernel_peak_rss_mib": None if peak["rss"] is None else round(peak["rss"]),
         "process_tree_peak_mib": None if tree_peak is None else round(tree_peak),
         "code_sha256": code_sha256(nb), "helpers_sha256": helpers_sha256(),
+        "helpers_units": helpers_reach(nb),
     }
     fix(nb, path, settings())
     write(nb, path)
@@ -548,6 +794,24 @@ def _new(stem: str, title: str, question: str) -> int:
     return 0
 
 
+def _restamp(rev: str, paths: list[Path]) -> int:
+    try:
+        old = helpers_at(rev)
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 1
+    refused = 0
+    for path in paths or notebook_paths():
+        try:
+            print(restamp(path, old, rev))
+        except ValueError as error:
+            print(error, file=sys.stderr)
+            refused += 1
+    if refused:
+        print(f"{refused} notebook(s) refused", file=sys.stderr)
+    return 1 if refused else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -562,7 +826,14 @@ def main(argv: list[str] | None = None) -> int:
     new.add_argument("question")
     site = sub.add_parser("site", help="build the static site from the committed outputs")
     site.add_argument("--out", type=Path, default=SITE, help="where (default: _site/)")
+    restamp_ = sub.add_parser("restamp", help="add helpers_units to stamps made before they had "
+                              "it, where helpers.py at REV is the one their outputs came from")
+    restamp_.add_argument("--helpers-from", required=True, metavar="REV",
+                          help="the git revision whose helpers.py made the outputs")
+    restamp_.add_argument("notebooks", nargs="*", type=Path)
     args = parser.parse_args(argv)
+    if args.command == "restamp":
+        return _restamp(args.helpers_from, [p.resolve() for p in args.notebooks])
     if args.command == "check":
         return _check(args.fix)
     if args.command == "new":
