@@ -17,6 +17,7 @@ or on Colab downloads this one file). Sections:
 
 from __future__ import annotations
 
+import bisect
 import collections
 import ctypes
 import importlib.metadata
@@ -1106,10 +1107,19 @@ _END = object()
 STEP_MARK, NEXT_MARK = "checkup: step", "checkup: next batch"
 SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
                         "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"})
+#: copies that return only when done; an async one blocks too when its host side is pageable
+MEMCPY_CALLS = frozenset({"cudaMemcpy", "cudaMemcpyAsync", "cuMemcpy", "cuMemcpyAsync",
+                          "cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2", "cuMemcpyHtoDAsync_v2",
+                          "cuMemcpyDtoHAsync_v2"})
+LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                          "cuLaunchKernelEx"})
 #: per kind of finding: what to change, and the notebooks that measure why
 ADVICE = {
     "pageable_h2d": ("copy from pinned memory with non_blocking=True: DataLoader(pin_memory=True)"
                      ", or pin once what repeats", ("01", "03", "06")),
+    "constant_h2d": ("make the tensor once, before the loop, or on the GPU (torch.full, "
+                     "torch.arange): a tensor from a Python list is copied from pageable memory "
+                     "and waits for the GPU", ("01", "03")),
     "blocking_h2d": ("the source is pinned but the copy waits: add non_blocking=True", ("03",)),
     "copy_exposed": ("copy batch k+1 on a side stream while step k computes "
                      "(helpers.Prefetcher)", ("04", "07")),
@@ -1117,28 +1127,41 @@ ADVICE = {
                     "buffer and an event, not .item() every step", ("05", "09")),
     "blocking_d2h": ("copy into pinned memory with non_blocking=True and wait on an event only "
                      "when the values are needed", ("05",)),
-    "explicit_sync": ("drop torch.cuda.synchronize() from the step; time with CUDA events",
-                      ("00",)),
+    "explicit_sync": ("drop the synchronisation from the step; time with CUDA events, and wait "
+                      "on an event recorded steps earlier", ("00", "05")),
     "hidden_sync": ("an operation whose output size depends on the data waits for the GPU: "
-                    "keep it off the hot path", ("00",)),
+                    "give it the size (e.g. bincount's minlength, repeat_interleave's "
+                    "output_size) or move it off the hot path", ("00",)),
+    "grad_scaler": ("GradScaler.step reads found_inf on the host every step: train in bfloat16 "
+                    "without a scaler, or use a fused optimizer (fused=True), which checks on "
+                    "the GPU", ("00",)),
+    "nonfinite_check": ("error_if_nonfinite=True reads the norm on the host every step: check "
+                        "it every N steps, or keep the check on the GPU", ("00", "05")),
     "data_wait": ("the loader does not keep up: more workers, compact (uint8) batches, "
                   "work moved to the GPU", ("06", "07")),
+    "host_bound": ("the GPU waits for Python to launch kernels: fewer, larger operations, "
+                   "CUDA graphs or torch.compile", ("00",)),
 }
-PER_STEP = 0.5  # a copy or sync seen in at least every other step is part of the step
+PER_STEP = 0.5  # a wait seen in at least every other step, with a cost, is part of the step
 EXPOSED_SHARE = 0.05  # of the step time: copy time not hidden behind compute worth a finding
 DATA_WAIT_SHARE = 0.10  # of the step time: GPU idle while the host waits for the next batch
+HOST_BOUND_SHARE = 0.10  # of the step time: GPU idle with no data movement or wait to blame
+MIN_WAIT_US = 20.0  # a synchronisation shorter than this found the work done: it waited for nothing
+QUEUED_US = 50.0  # a kernel that starts this long after its launch was queued: the host is ahead
+_SHARES = {"copy_exposed": EXPOSED_SHARE, "data_wait": DATA_WAIT_SHARE,
+           "host_bound": HOST_BOUND_SHARE}
 
 
 @dataclass(frozen=True)
 class Finding:
     kind: str  # a key of ADVICE
     seen: str  # what was measured, per step
-    cost_ms: float  # per step: the host wait or device time it stands for
+    cost_ms: float  # per step: the GPU idle time it causes, at the unprofiled pace
     advice: str
     notebooks: tuple[str, ...]
 
     def __str__(self) -> str:
-        return (f"{self.kind}: {self.seen} -> {self.advice} "
+        return (f"{self.kind}, {self.cost_ms:.3g} ms a step: {self.seen} -> {self.advice} "
                 f"(notebook {', '.join(self.notebooks)})")
 
 
@@ -1148,261 +1171,533 @@ class CheckupReport:
 
     steps: int
     step_ms: float  # unprofiled: host clock over ``timed_steps``, synchronised at both ends
-    profiled_step_ms: float  # first profiled step's start to the last work of the last one
-    gpu_busy: float  # union of kernel time / profiled wall time
+    profiled_step_ms: float  # under the profiler: one step's period on the GPU
+    gpu_busy: float  # kernel time of a step / the unprofiled step time
     h2d_pageable: tuple[float, float]  # (copies, bytes) per step
     h2d_pinned: tuple[float, float]
     d2h: tuple[float, float]
-    syncs: dict[str, float]  # cause -> syncs per step
-    host_wait_ms: float  # in synchronising calls, per step
+    syncs: dict[str, float]  # cause -> synchronisations per step, on every thread of the step
+    host_wait_ms: float  # in them and in copies that block, per step
     data_wait_ms: float  # in next(batches), per step
-    data_idle_ms: float  # of which with no kernel running on the GPU, per step
-    copy_exposed_ms: float  # pinned host-to-device copy time with no kernel running, per step
+    idle_ms: dict[str, float]  # cause -> GPU idle it explains per step (unprofiled pace)
+    loader_ms: float = float("nan")  # the batch source alone, per batch, at its steady pace
     findings: list[Finding] = field(default_factory=list)
     activities: list[Activity] = field(default_factory=list, repr=False)
+    host_steps: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    gpu_steps: list[tuple[float, float]] = field(default_factory=list, repr=False)
 
     @property
     def kinds(self) -> set[str]:
         return {f.kind for f in self.findings}
 
+    @property
+    def copy_exposed_ms(self) -> float:
+        return self.idle_ms.get("copy_exposed", 0.0)
+
+    @property
+    def data_idle_ms(self) -> float:
+        return self.idle_ms.get("data_wait", 0.0)
+
     def rows(self) -> list[tuple[str, str]]:
         def copies(pair):
             return f"{pair[0]:.3g} ({format_bytes(pair[1])})"
 
-        syncs = ", ".join(f"{cause} {n:.3g}" for cause, n in sorted(self.syncs.items())) or "0"
-        return [("step time (unprofiled)", f"{self.step_ms:.3g} ms"),
-                ("GPU busy (kernels / wall)", f"{self.gpu_busy:.2f}"),
-                ("H2D copies from pageable memory", copies(self.h2d_pageable)),
-                ("H2D copies from pinned memory", copies(self.h2d_pinned)),
-                ("D2H copies", copies(self.d2h)),
-                ("synchronisations, by cause", syncs),
-                ("host waiting in them", f"{self.host_wait_ms:.3g} ms"),
-                ("host waiting for the next batch", f"{self.data_wait_ms:.3g} ms"),
-                ("  of which with the GPU idle", f"{self.data_idle_ms:.3g} ms"),
-                ("H2D copy time not hidden by compute", f"{self.copy_exposed_ms:.3g} ms")]
+        def per_cause(values, unit=""):
+            ordered = sorted(values.items(), key=lambda kv: -kv[1])
+            return ", ".join(f"{cause} {n:.3g}{unit}" for cause, n in ordered) or "0"
+
+        rows = [("step time (unprofiled)", f"{self.step_ms:.3g} ms")]
+        if self.loader_ms == self.loader_ms:
+            rows.append(("the batch source alone, per batch", f"{self.loader_ms:.3g} ms"))
+        return rows + [
+            ("GPU busy (kernel time / step time)", f"{self.gpu_busy:.2f}"),
+            ("GPU idle, by cause", per_cause(self.idle_ms, " ms")),
+            ("H2D copies from pageable memory", copies(self.h2d_pageable)),
+            ("H2D copies from pinned memory", copies(self.h2d_pinned)),
+            ("D2H copies", copies(self.d2h)),
+            ("synchronisations, by cause", per_cause(self.syncs)),
+            ("host waiting in them", f"{self.host_wait_ms:.3g} ms"),
+            ("host waiting for the next batch", f"{self.data_wait_ms:.3g} ms")]
 
     def __str__(self) -> str:
         width = max(len(name) for name, _ in self.rows())
         lines = [f"per step, over {self.steps} profiled steps"]
         lines += [f"  {name:<{width}}  {value}" for name, value in self.rows()]
-        lines += ["findings:"] + ([f"  - {f}" for f in self.findings] or ["  none"])
+        lines += ["findings, costliest first:"]
+        lines += [f"  - {f}" for f in self.findings] or ["  none"]
         return "\n".join(lines)
 
     def step_window(self, first: int, count: int = 1) -> list[Activity]:
-        """The activities from the start of profiled step ``first`` to that of step
-        ``first + count`` (host clock), device work that started in that window included;
-        times from the window's start, ready for ``plot_timeline``."""
-        starts = sorted(a.start_us for a in self.activities if a.name == STEP_MARK)
-        begin = starts[first]
-        end = starts[first + count] if first + count < len(starts) else float("inf")
-        return [replace(a, start_us=a.start_us - begin, end_us=a.end_us - begin)
-                for a in self.activities if begin <= a.start_us < end]
+        """Profiled steps ``first`` to ``first + count - 1``: their host spans (host clock) and
+        the device work between the starts of their step marks on the GPU, so each step's
+        kernels stay with it although the host ran ahead; times from the window's start,
+        ready for ``plot_timeline``."""
+        def window(spans):
+            end = spans[first + count][0] if first + count < len(spans) else spans[-1][1]
+            return spans[first][0], end
+
+        host = window(self.host_steps)
+        device = window(self.gpu_steps or self.host_steps)
+        origin = min(host[0], device[0])
+        return [replace(a, start_us=a.start_us - origin, end_us=a.end_us - origin)
+                for a in self.activities
+                if (host if a.kind == "host" else device)[0] <= a.start_us
+                < (host if a.kind == "host" else device)[1]]
 
 
-def _enclosing_ops(ops: list[dict], calls: list[dict]) -> dict[int, list[dict]]:
-    """For each call (by index), the cpu ops of its thread that contain it, outermost first."""
+# Which call of the reader's code made the host wait: from the stack of the blocking call
+
+def _is_library_frame(name: str) -> bool:
+    if name.startswith("<built-in"):
+        return True
+    path = name.split("(")[0]
+    stem = Path(path).stem
+    return (path.startswith("torch/") or "/torch/" in path or "site-packages" in path
+            or "dist-packages" in path or stem in ("helpers", "profiler")
+            or stem in sys.stdlib_module_names)
+
+
+def _callee_label(frame: str) -> str:
+    if frame.startswith("<built-in method "):
+        method, _, owner = frame[len("<built-in method "):].partition(" of ")
+        return f".{method}()" if owner.startswith("Tensor") else f"torch.{method}()"
+    if frame.startswith("<built-in function "):
+        return frame[len("<built-in function "):].rstrip(">") + "()"
+    path, _, function = frame.partition(": ")
+    return f"{Path(path.split('(')[0]).stem}.{function}()"
+
+
+@dataclass(frozen=True)
+class _Blocking:
+    kind: str  # a key of ADVICE
+    label: str  # what the reader's code called
+    where: str  # where: the reader's function, or autograd's backward node
+
+
+def _classify(stack: list[dict], copy_direction: str | None) -> _Blocking:
+    """``stack``: the python frames and cpu ops enclosing a blocking call, outermost first;
+    ``copy_direction``: the copy it issued ("h2d_pageable", "h2d_pinned", "d2h"), if any."""
+    frames = [e["name"] for e in stack if e.get("cat") == "python_function"]
+    ops = [e["name"] for e in stack if e.get("cat") == "cpu_op"]
+    aten = [op for op in ops if op.startswith("aten::")]
+    user = max((i for i, f in enumerate(frames) if not _is_library_frame(f)), default=None)
+    below = frames[user + 1:] if user is not None else frames
+    callee = _callee_label(below[0]) if below else None
+    if user is not None:
+        where = "in " + frames[user].partition(": ")[2]
+    else:
+        node = next((op for op in ops if not op.startswith(("aten::", "autograd::"))), None)
+        where = f"in backward ({node}, autograd's thread)" if node else "in the step"
+    library = " ".join(below)
+    if "grad_scaler.py" in library:
+        return _Blocking("grad_scaler", "GradScaler.step()", where)
+    if "clip_grad.py" in library:
+        return _Blocking("nonfinite_check", "clip_grad_norm_(error_if_nonfinite=True)", where)
+    outer = aten[0] if aten else None
+    if outer is None:
+        return _Blocking("explicit_sync", callee or "a synchronize()", where)
+    if outer in ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero"):
+        label = callee if callee and frames else {"aten::is_nonzero": "bool(tensor)"}.get(
+            outer, ".item()")
+        return _Blocking("scalar_read", label, where)
+    if outer in ("aten::to", "aten::_to_copy", "aten::copy_", "aten::cpu", "aten::contiguous",
+                 "aten::clone"):
+        if callee in ("torch.tensor()", "torch.as_tensor()", "torch.asarray()"):
+            return _Blocking("constant_h2d", callee, where)
+        kind = {"h2d_pageable": "pageable_h2d", "h2d_pinned": "blocking_h2d"}.get(
+            copy_direction, "blocking_d2h")
+        return _Blocking(kind, callee or outer, where)
+    name = outer[len("aten::"):].lstrip("_").rstrip("0123456789")
+    return _Blocking("hidden_sync", f"torch.{name}() ({outer})", where)
+
+
+def _enclosing(context: list[dict], calls: list[dict]) -> dict[int, list[dict]]:
+    """For each call (by index), the events of ``context`` on its thread that contain it,
+    outermost first."""
     result: dict[int, list[dict]] = {}
     by_thread: dict[tuple, list] = collections.defaultdict(list)
-    for op in ops:
-        by_thread[(op["pid"], op["tid"])].append((op["ts"], 0, op))
+    for event in context:
+        by_thread[(event["pid"], event["tid"])].append((event["ts"], 0, -event["dur"], event))
     for index, call in enumerate(calls):
-        by_thread[(call["pid"], call["tid"])].append((call["ts"], 1, index))
+        by_thread[(call["pid"], call["tid"])].append((call["ts"], 1, -call["dur"], index))
     for items in by_thread.values():
         stack: list[dict] = []
-        for ts, is_call, item in sorted(items, key=lambda x: (x[0], x[1], -_dur(x[2], calls))):
+        for ts, is_call, _, item in sorted(items, key=lambda x: x[:3]):
             while stack and stack[-1]["ts"] + stack[-1]["dur"] < ts:
                 stack.pop()
             if is_call:
                 end = ts + calls[item]["dur"]
-                result[item] = [op for op in stack if op["ts"] + op["dur"] >= end]
+                result[item] = [e for e in stack if e["ts"] + e["dur"] >= end]
             else:
                 stack.append(item)
     return result
 
 
-def _dur(item, calls) -> float:
-    return calls[item]["dur"] if isinstance(item, int) else item["dur"]
+def _subtract(intervals: list[tuple[float, float]], cut: list[tuple[float, float]]):
+    """``intervals`` minus the union ``cut`` (both sorted, disjoint)."""
+    out = []
+    for a, b in intervals:
+        for c, d in cut:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+        if a < b:
+            out.append((a, b))
+    return out
 
 
-def _sync_cause(enclosing: list[dict], copy_kind_of_op: dict[int, str]) -> str:
-    names = [op["name"] for op in enclosing]
-    if any(n in ("aten::item", "aten::_local_scalar_dense") for n in names):
-        return "scalar_read"
-    for op in reversed(enclosing):  # innermost copy first
-        kind = copy_kind_of_op.get(id(op))
-        if kind is not None:
-            return kind
-    if not any(n.startswith("aten::") for n in names):
-        return "explicit"
-    return "hidden:" + next(n for n in reversed(names) if n.startswith("aten::"))
+def _owners(gap: tuple[float, float], waits: list[tuple[float, float, object]], before):
+    """Split a GPU idle ``gap`` among the host's ``waits`` (start, end, owner): each owns the
+    gap from its start until the next wait starts, since the host, once it returns, still has
+    to catch up on the launches it could not queue ahead. The time before the first belongs
+    to ``before``: the wait the host is still catching up on, or the host itself."""
+    a, b = gap
+    inside = sorted(((max(s, a), owner) for s, e, owner in waits if s < b and e > a),
+                    key=lambda item: item[0])
+    marks = [(a, before)] + inside
+    for (start, owner), (end, _) in zip(marks, marks[1:] + [(b, None)], strict=True):
+        if end > start:
+            yield start, end, owner
 
 
 def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float("nan"),
-                          ) -> CheckupReport:
+                          loader_ms: float = float("nan")) -> CheckupReport:
     """Read a Chrome trace of ``steps`` steps, each marked with ``record_function(STEP_MARK)``
-    (and the wait for its batch with ``NEXT_MARK``), into a ``CheckupReport``."""
+    (and the wait for its batch with ``NEXT_MARK``), into a ``CheckupReport``.
+
+    Each span of GPU idle (no kernel running) between the first and the last step is owned
+    by a cause: a host-to-device or device-to-host copy running in it, else the blocking call
+    or wait for a batch the host was in since the GPU went idle, else the host itself
+    (``host_bound``). With ``step_ms`` (the unprofiled step), idle times are scaled to the
+    unprofiled pace, since the profiler slows the host but not the kernels."""
     events = [e for e in _trace_events(trace) if e.get("ph") == "X"]
-    marks = [e for e in events if e.get("cat") == "user_annotation" and e["name"] == STEP_MARK]
-    if len(marks) != steps:
-        raise ValueError(f"expected {steps} '{STEP_MARK}' spans, found {len(marks)}")
-    thread = (marks[0]["pid"], marks[0]["tid"])
-    spans = sorted((m["ts"], m["ts"] + m["dur"]) for m in marks)
-    start, host_end = spans[0][0], max(end for _, end in spans)
 
-    def in_steps(e):
-        return any(s <= e["ts"] <= end for s, end in spans)
+    def spans(category):
+        return sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                      if e.get("cat") == category and e["name"] == STEP_MARK)
 
-    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    host_steps, gpu_steps = spans("user_annotation"), spans("gpu_user_annotation")
+    if len(host_steps) != steps:
+        raise ValueError(f"expected {steps} '{STEP_MARK}' spans, found {len(host_steps)}")
+    if len(gpu_steps) != steps:
+        gpu_steps = []  # a step without device work has no mark on the GPU: use the host's
+    marks = gpu_steps or host_steps
+    # the steps' period on the GPU: from the first step's start to the last one's
+    periods = max(steps - 1, 1)
+    window = (marks[0][0], marks[-1][0] if steps > 1 else marks[0][1])
+    host_range = (host_steps[0][0], host_steps[-1][1])
+    main = next((e["pid"], e["tid"]) for e in events
+                if e.get("cat") == "user_annotation" and e["name"] == STEP_MARK)
+
     calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
-    enclosing = _enclosing_ops(ops, calls)
-    call_of = {c.get("args", {}).get("correlation"): i for i, c in enumerate(calls)}
-    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-              and e["ts"] >= start]
-    device_end = max((e["ts"] + e["dur"] for e in device), default=host_end)
-    wall_us = max(host_end, device_end) - start
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    step_threads = {(c["pid"], c["tid"]) for c in calls if c["name"] in LAUNCH_CALLS
+                    and host_range[0] <= c["ts"] <= host_range[1]} | {main}
 
-    # copies: direction, pinned or pageable host side, and the cpu op that issued each
-    copy_kind_of_op: dict[int, str] = {}
+    # copies: direction, and pinned or pageable host side
+    direction_of: dict = {}
     totals = collections.defaultdict(lambda: [0, 0])
-    pinned_h2d, kernels = [], []
+    busy, copies = [], []
     for e in device:
-        if e["cat"] == "kernel":
-            kernels.append((e["ts"], e["ts"] + e["dur"]))
-            continue
         kind = _activity_kind(e["cat"], e["name"])
+        interval = (e["ts"], e["ts"] + e["dur"])
         if kind not in ("H2D", "D2H"):
+            busy.append(interval)  # kernels, memsets, device-to-device copies
             continue
         pageable = "Pageable" in e["name"]
         key = "d2h" if kind == "D2H" else ("h2d_pageable" if pageable else "h2d_pinned")
-        totals[key][0] += 1
-        totals[key][1] += e.get("args", {}).get("bytes", 0) or 0
-        if key == "h2d_pinned":
-            pinned_h2d.append((e["ts"], e["ts"] + e["dur"]))
-        issuer = call_of.get(e.get("args", {}).get("correlation"))
-        for op in enclosing.get(issuer, []):
-            if op["name"] == "aten::copy_":
-                copy_kind_of_op[id(op)] = {"d2h": "blocking_d2h", "h2d_pageable": "pageable_h2d",
-                                           "h2d_pinned": "blocking_h2d"}[key]
+        correlation = e.get("args", {}).get("correlation")
+        direction_of[correlation] = (key, pageable)
+        copies.append((interval, key, correlation))
+        if e["ts"] >= host_range[0]:
+            totals[key][0] += 1
+            totals[key][1] += e.get("args", {}).get("bytes", 0) or 0
 
+    def blocks(call):  # a synchronisation, or a copy that returns only when done
+        if call["name"] in SYNC_CALLS:
+            return True
+        if call["name"] not in MEMCPY_CALLS:
+            return False
+        _, pageable = direction_of.get(call.get("args", {}).get("correlation"), (None, False))
+        return pageable or "Async" not in call["name"]
+
+    # what the host waited in, on every thread that launched the steps' work
+    context = [e for e in events if e.get("cat") in ("cpu_op", "python_function")]
+    blocking = sorted((c for c in calls if (c["pid"], c["tid"]) in step_threads
+                       and host_range[0] <= c["ts"] <= host_range[1] and blocks(c)),
+                      key=lambda c: c["ts"])
+    issued = [c for c in calls if c["name"] in MEMCPY_CALLS
+              and c.get("args", {}).get("correlation") in direction_of]
+    stacks = _enclosing(context, blocking + issued)
+    # a synchronisation inside a copy op (a blocking .to()) waits for that op's copy
+    direction_of_op = {id(stacks[len(blocking) + i][-1]):
+                       direction_of[c["args"]["correlation"]][0]
+                       for i, c in enumerate(issued) if stacks.get(len(blocking) + i)}
+    cause_of_correlation: dict = {}
+    waits: list[tuple[float, float, object]] = []
     syncs: collections.Counter = collections.Counter()
-    wait_us: collections.Counter = collections.Counter()
-    for index, call in enumerate(calls):
-        if call["name"] in SYNC_CALLS and (call["pid"], call["tid"]) == thread \
-                and in_steps(call):
-            cause = _sync_cause(enclosing.get(index, []), copy_kind_of_op)
-            syncs[cause] += 1
-            wait_us[cause] += call["dur"]
-    kernel_union = _union(kernels)
-    # waiting for a batch costs nothing while the GPU still runs earlier steps' work
-    waits = _union((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("cat") == "user_annotation" and e["name"] == NEXT_MARK
-                   and (e["pid"], e["tid"]) == thread)
-    data_wait_us = _length(waits)
-    data_idle_us = data_wait_us - _intersection(waits, kernel_union)
-    pinned_union = _union(pinned_h2d)
-    exposed_us = _length(pinned_union) - _intersection(pinned_union, kernel_union)
+    sync_count: collections.Counter = collections.Counter()  # per cause
+    copy_count: collections.Counter = collections.Counter()
+    wait_us = 0.0
+    cause_of_op: dict[int, _Blocking] = {}
+    for index, call in enumerate(blocking):
+        correlation = call.get("args", {}).get("correlation")
+        direction = direction_of.get(correlation, (None, False))[0]
+        if direction is None and stacks.get(index):
+            direction = direction_of_op.get(id(stacks[index][-1]))
+        cause = _classify(stacks.get(index, []), direction)
+        cause_of_correlation[correlation] = cause
+        if stacks.get(index):
+            cause_of_op[id(stacks[index][-1])] = cause
+        waits.append((call["ts"], call["ts"] + call["dur"], call["name"] in SYNC_CALLS, cause))
+        if call["name"] in SYNC_CALLS:
+            syncs[cause.kind] += 1
+            sync_count[cause] += 1
+        else:
+            copy_count[cause] += 1
+        wait_us += call["dur"]
+    data_waits = [(e["ts"], e["ts"] + e["dur"]) for e in events
+                  if e.get("cat") == "user_annotation" and e["name"] == NEXT_MARK
+                  and (e["pid"], e["tid"]) == main]
+    data_cause = _Blocking("data_wait", "next(batches)", "")
+    waits += [(s, e, False, data_cause) for s, e in data_waits]
+    for i, call in enumerate(issued):  # a copy the host waited for is its wait's
+        stack = stacks.get(len(blocking) + i)
+        if stack and id(stack[-1]) in cause_of_op:
+            cause_of_correlation.setdefault(call["args"]["correlation"], cause_of_op[id(stack[-1])])
 
-    per_step_ms = wall_us / steps / 1e3
+    # GPU idle in the window, and who owns each part of it
+    kernel_union = _union(busy)
+    busy_us = _intersection(kernel_union, [window])
+    idle = _subtract([window], kernel_union)
+
+    def gpu_busy_at(t):
+        index = bisect.bisect_right(kernel_union, (t, float("inf"))) - 1
+        return index >= 0 and kernel_union[index][1] > t
+
+    # A synchronisation costs only if it waited for work that was running: begun with the GPU
+    # busy, and blocking long enough to have waited (a completed event returns at once).
+    waits = [(s, e, owner) for s, e, is_sync, owner in waits
+             if not is_sync or (e - s >= MIN_WAIT_US and gpu_busy_at(s))]
+    by_end = sorted(waits, key=lambda w: w[1])
+    ends = [w[1] for w in by_end]
+    # the host is ahead again once a kernel waits in the queue after its launch
+    launched = {c.get("args", {}).get("correlation"): c["ts"] + c["dur"] for c in calls
+                if c["name"] in LAUNCH_CALLS}
+    ahead = sorted(e["ts"] for e in device if e["cat"] == "kernel"
+                   and e["ts"] - launched.get(e.get("args", {}).get("correlation"), e["ts"])
+                   > QUEUED_US)
+
+    def catching_up_on(t):
+        index = bisect.bisect_right(ends, t) - 1
+        if index < 0:
+            return "host_bound"
+        returned = by_end[index][1]
+        if bisect.bisect_right(ahead, t) > bisect.bisect_right(ahead, returned):
+            return "host_bound"
+        return by_end[index][2]
+
+    owned: dict[_Blocking | str, float] = collections.defaultdict(float)
+    owned_steps: dict[_Blocking | str, set] = collections.defaultdict(set)
+
+    def step_of(t):
+        return max(0, bisect.bisect_right([s for s, _ in marks], t) - 1)
+
+    copy_spans = sorted(copies)
+    for gap in idle:
+        rest = [gap]
+        for (s, e), key, correlation in copy_spans:
+            if e <= gap[0] or s >= gap[1]:
+                continue
+            part = _intersection(rest, [(s, e)])
+            if part <= 0:
+                continue
+            owner = cause_of_correlation.get(correlation) or (
+                "pageable_h2d" if key == "h2d_pageable" else "copy_exposed")
+            owned[owner] += part
+            owned_steps[owner].add(step_of(s))
+            rest = _subtract(rest, [(s, e)])
+        for part in rest:
+            for start, end, owner in _owners(part, waits, catching_up_on(part[0])):
+                owned[owner] += end - start
+                owned_steps[owner].add(step_of(start))
+
+    period_us = (window[1] - window[0]) / periods
+    busy_per_step = busy_us / periods
+    scale = 1.0
+    if step_ms == step_ms:  # idle at the unprofiled pace: the profiler slows the host only
+        unprofiled_idle = max(step_ms * 1e3 - busy_per_step, 0.0)
+        scale = unprofiled_idle / (period_us - busy_per_step) if period_us > busy_per_step else 0
+    reference_ms = step_ms if step_ms == step_ms else period_us / 1e3
+
+    def kind_of(owner):
+        return owner if isinstance(owner, str) else owner.kind
+
+    idle_ms: dict[str, float] = collections.defaultdict(float)
+    for owner, us in owned.items():
+        idle_ms[kind_of(owner)] += us / periods / 1e3 * scale
     report = CheckupReport(
-        steps=steps, step_ms=step_ms, profiled_step_ms=per_step_ms,
-        gpu_busy=_length(kernel_union) / wall_us if wall_us else 0.0,
+        steps=steps, step_ms=step_ms, profiled_step_ms=period_us / 1e3,
+        gpu_busy=min(busy_per_step / 1e3 / reference_ms, 1.0) if reference_ms else 0.0,
         h2d_pageable=tuple(v / steps for v in totals["h2d_pageable"]),
         h2d_pinned=tuple(v / steps for v in totals["h2d_pinned"]),
         d2h=tuple(v / steps for v in totals["d2h"]),
-        syncs={cause: n / steps for cause, n in syncs.items()},
-        host_wait_ms=sum(wait_us.values()) / steps / 1e3,
-        data_wait_ms=data_wait_us / steps / 1e3,
-        data_idle_ms=data_idle_us / steps / 1e3,
-        copy_exposed_ms=exposed_us / steps / 1e3,
-        activities=parse_chrome_trace(trace))
+        syncs={kind: n / steps for kind, n in syncs.items()},
+        host_wait_ms=wait_us / steps / 1e3,
+        data_wait_ms=_length(_union(data_waits)) / steps / 1e3,
+        idle_ms={k: round(v, 6) for k, v in idle_ms.items() if v > 0},
+        loader_ms=loader_ms,
+        activities=[a for a in parse_chrome_trace(trace)
+                    if not a.name.startswith("ProfilerStep#")],
+    )
+    origin = _trace_origin(trace)
+    report.host_steps = [(s - origin, e - origin) for s, e in host_steps]
+    report.gpu_steps = [(s - origin, e - origin) for s, e in gpu_steps]
 
-    def add(kind: str, seen: str, cost_ms: float) -> None:
-        advice, notebooks = ADVICE[kind.split(":")[0]]
-        report.findings.append(Finding(kind, seen, cost_ms, advice, notebooks))
-
-    def sync_ms(cause):
-        return wait_us[cause] / steps / 1e3
-
-    n, nbytes = report.h2d_pageable
-    if n >= PER_STEP:
-        pageable_us = sum(e["dur"] for e in device if e["cat"] == "gpu_memcpy"
-                          and "Pageable -> Device" in e["name"])
-        add("pageable_h2d", f"{n:.3g} copies ({format_bytes(nbytes)}) from pageable memory",
-            pageable_us / steps / 1e3 + sync_ms("pageable_h2d"))
-    for cause, what in (("blocking_h2d", "waits for its pinned H2D copy"),
-                        ("scalar_read", "reads a scalar from the GPU (.item())"),
-                        ("blocking_d2h", "waits for a D2H copy"),
-                        ("explicit", "synchronises explicitly")):
-        if syncs[cause] / steps >= PER_STEP:
-            add("explicit_sync" if cause == "explicit" else cause,
-                f"the host {what} {syncs[cause] / steps:.3g} times, waiting "
-                f"{sync_ms(cause):.3g} ms", sync_ms(cause))
-    for cause in sorted(c for c in syncs if c.startswith("hidden:")):
-        if syncs[cause] / steps >= PER_STEP:
-            add("hidden_sync", f"{cause[7:]} synchronises {syncs[cause] / steps:.3g} times, "
-                f"waiting {sync_ms(cause):.3g} ms", sync_ms(cause))
-    if report.copy_exposed_ms >= EXPOSED_SHARE * per_step_ms:
-        add("copy_exposed", f"{report.copy_exposed_ms:.3g} ms of pinned H2D copy with no "
-            f"kernel running ({report.copy_exposed_ms / per_step_ms:.0%} of the step)",
-            report.copy_exposed_ms)
-    if report.data_idle_ms >= DATA_WAIT_SHARE * per_step_ms:
-        add("data_wait", f"the GPU idles {report.data_idle_ms:.3g} ms while the host waits for "
-            f"the next batch ({report.data_idle_ms / per_step_ms:.0%} of the step)",
-            report.data_idle_ms)
+    # one finding per cause (kind, what was called, where), costliest first
+    grouped: dict[tuple, list] = collections.defaultdict(lambda: [0.0, set(), 0])
+    for owner, us in owned.items():
+        key = (owner, "", "") if isinstance(owner, str) else (owner.kind, owner.label, owner.where)
+        grouped[key][0] += us / periods / 1e3 * scale
+        grouped[key][1] |= owned_steps[owner]
+    counts: collections.Counter = collections.Counter()
+    for cause in set(sync_count) | set(copy_count):
+        counts[(cause.kind, cause.label, cause.where)] += sync_count[cause] or copy_count[cause]
+    for key, (cost_ms, seen_in, _) in grouped.items():
+        kind, label, where = key
+        share = cost_ms / reference_ms if reference_ms else 0.0
+        if kind in _SHARES:  # no single call to blame: worth a finding past a share
+            if share < _SHARES[kind]:
+                continue
+        elif len(seen_in) < PER_STEP * periods or cost_ms <= 0:
+            continue
+        advice, notebooks = ADVICE[kind]
+        report.findings.append(Finding(kind, _seen(kind, label, where, counts[key] / steps,
+                                                   report, share), cost_ms, advice, notebooks))
+    report.findings.sort(key=lambda f: -f.cost_ms)
     return report
 
 
+def _seen(kind, label, where, per_step, report, share) -> str:
+    idle = f"the GPU idles {share:.0%} of the step"
+    if kind == "copy_exposed":
+        return f"pinned H2D copies run with no kernel beside them: {idle}"
+    if kind == "pageable_h2d" and not label:
+        n, nbytes = report.h2d_pageable
+        return f"{n:.3g} copies ({format_bytes(nbytes)}) from pageable memory: {idle}"
+    if kind == "data_wait":
+        source = (f"; the batch source alone takes {report.loader_ms:.3g} ms a batch"
+                  if report.loader_ms == report.loader_ms else "")
+        return f"the host waits for the next batch while {idle}{source}"
+    if kind == "host_bound":
+        return (f"no copy or wait to blame while {idle}: the host launches work slower "
+                f"than the GPU runs it")
+    return f"{label} {where}, {per_step:.3g} a step, blocks the host: {idle}"
+
+
+def _trace_origin(trace: dict | list) -> float:
+    """The time ``parse_chrome_trace`` counts from."""
+    return min((float(e["ts"]) for e in _trace_events(trace) if e.get("ph") == "X"
+                and _activity_kind(e.get("cat", ""), e.get("name", "")) is not None),
+               default=0.0)
+
+
+def _buffered_batches(batches) -> int:
+    """How many batches a DataLoader's workers may hold ready: 0 for other sources; a wrapper
+    that keeps its source as ``.batches`` (``Prefetcher``) is looked through."""
+    loader = getattr(batches, "batches", batches)
+    workers = getattr(loader, "num_workers", 0) or 0
+    return workers * (getattr(loader, "prefetch_factor", None) or 2)
+
+
+def checkup_batches(workers: int = 0, prefetch_factor: int = 2, *, steps: int = 10,
+                    timed_steps: int = 20, warmup: int = 5, loader_batches: int = 10) -> int:
+    """How many batches ``checkup`` takes from a loader with ``workers`` workers (0 for any
+    other source) and these settings."""
+    return (warmup + workers * prefetch_factor + loader_batches + timed_steps + 1 + steps)
+
+
 def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
-            timed_steps: int = 20, warmup: int = 5) -> CheckupReport:
+            timed_steps: int = 20, warmup: int = 5, loader_batches: int = 10) -> CheckupReport:
     """Time and profile a training step, and say what it spends on moving data.
 
     ``step(batch)`` is called with batches from ``batches`` (``step()`` if there are none):
-    ``warmup`` steps, ``timed_steps`` timed on the host clock, then ``steps`` under the
-    profiler, so the source must yield ``warmup + timed_steps + steps`` batches. The wait for
-    each batch counts as part of its step. Returns a ``CheckupReport``: print it for a table
-    and the findings, each with what to change and the notebook that measures why.
+    ``warmup`` steps; then, from a DataLoader, the batches its workers may hold ready are taken
+    and dropped, and ``loader_batches`` are taken alone to time the source by itself; then
+    ``timed_steps`` are timed on the host clock, and one more and ``steps`` run under the
+    profiler (with Python stacks). ``checkup_batches`` says how many batches that is. The wait
+    for each batch counts as part of its step. Returns a ``CheckupReport``: print it for a
+    table and the findings, costliest first, each with what to change and the notebook that
+    measures why.
     """
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
     require_cuda()
     source = iter(batches) if batches is not None else None
-    needed = warmup + timed_steps + steps
+    needed = (warmup + _buffered_batches(batches) + loader_batches + timed_steps + 1 + steps
+              if batches is not None else 0)
+    taken = 0
 
-    def one_step(taken: int) -> None:
+    def take():
+        nonlocal taken
+        batch = next(source, _END)
+        if batch is _END:
+            raise ValueError(f"the batch source ran out after {taken} batches; "
+                             f"checkup needs {needed}")
+        taken += 1
+        return batch
+
+    def one_step() -> None:
         with record_function(STEP_MARK):
             if batches is None:
                 step()
                 return
             with record_function(NEXT_MARK):
-                batch = next(source, _END)
-            if batch is _END:
-                raise ValueError(f"the batch source ran out after {taken} batches; "
-                                 f"checkup needs {needed}")
+                batch = take()
             step(batch)
 
+    traces = []
+    loader_ms = float("nan")
     try:
-        for taken in range(warmup):
-            one_step(taken)
+        for _ in range(warmup):
+            one_step()
+        if batches is not None:
+            # The workers filled their queue while the first steps were slow (start-up,
+            # autotuning): take those batches, then time the source alone. The timed steps
+            # then start with an empty queue, as in the rest of an epoch.
+            for _ in range(_buffered_batches(batches)):
+                take()
+            began = time.perf_counter()
+            for _ in range(loader_batches):
+                take()
+            loader_ms = (time.perf_counter() - began) * 1e3 / max(loader_batches, 1)
         torch.cuda.synchronize()
         began = time.perf_counter()
-        for taken in range(warmup, warmup + timed_steps):
-            one_step(taken)
+        for _ in range(timed_steps):
+            one_step()
         torch.cuda.synchronize()
         step_ms = (time.perf_counter() - began) * 1e3 / max(timed_steps, 1)
-        with warnings.catch_warnings():
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                torch.cuda.synchronize()  # the profiler's set-up cost lands outside the steps
-                for taken in range(warmup + timed_steps, needed):
-                    one_step(taken)
-                torch.cuda.synchronize()
+            path = Path(tmp) / "trace.json"
+
+            def keep(prof):
+                prof.export_chrome_trace(str(path))
+                traces.append(json.loads(path.read_text()))
+
+            # one step under the profiler before the recorded ones absorbs its set-up cost
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                         with_stack=True, schedule=schedule(wait=0, warmup=1, active=steps),
+                         on_trace_ready=keep) as prof:
+                for _ in range(1 + steps):
+                    one_step()
+                    prof.step()
+        torch.cuda.synchronize()
     finally:
         close = getattr(source, "close", None)  # a generator: let its loader shut down now
         if close is not None:
             close()
         source = None  # a DataLoader iterator shuts its workers down when it is dropped
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-    return analyze_checkup_trace(trace, steps, step_ms)
+    return analyze_checkup_trace(traces[0], steps, step_ms, loader_ms)

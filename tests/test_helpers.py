@@ -600,13 +600,20 @@ def _device(cat, name, ts, dur, stream, correlation=None, nbytes=None):
     return event
 
 
-def _step_trace(step_us, body):
-    """Two steps of ``step_us``; ``body(t0, k)`` gives step k's events, starting at t0."""
+def _step_trace(step_us, body, steps=2):
+    """``steps`` steps of ``step_us``; ``body(t0, k)`` gives step k's events, starting at t0.
+    Each step is marked on the host and, over its device work, on the GPU, as the profiler
+    does."""
     events = []
-    for k in range(2):
+    for k in range(steps):
         t0 = 1000 + k * step_us
         events.append(_host("user_annotation", helpers.STEP_MARK, t0, step_us - 1))
-        events += body(t0, k)
+        work = body(t0, k)
+        on_device = [e for e in work if e["cat"] in ("kernel", "gpu_memcpy", "gpu_memset")]
+        begin = min(e["ts"] for e in on_device)
+        end = max(e["ts"] + e["dur"] for e in on_device)
+        events.append(_event("gpu_user_annotation", helpers.STEP_MARK, begin, end - begin, 7))
+        events += work
     return {"traceEvents": events}
 
 
@@ -618,45 +625,54 @@ def test_checkup_trace_names_a_pageable_copy_and_its_sync_once():
                 _host("cuda_runtime", "cudaStreamSynchronize", t0 + 240, 150),
                 _device("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", t0 + 40, 300, 7,
                         correlation=10 + k, nbytes=1 << 20),
-                _device("kernel", "conv", t0 + 420, 500, 7)]
+                _device("kernel", "conv", t0 + 400, 590, 7)]
 
     report = helpers.analyze_checkup_trace(_step_trace(1000, body), steps=2)
-    assert report.kinds == {"pageable_h2d"}
+    assert report.kinds == {"pageable_h2d"}, str(report)
     assert report.h2d_pageable == (1, 1 << 20)
     assert report.syncs == {"pageable_h2d": 1}
-    assert report.host_wait_ms == pytest.approx(0.15)
-    assert report.gpu_busy == pytest.approx(1000 / 2000, rel=0.01)
+    assert report.host_wait_ms == pytest.approx(0.35)
+    # the GPU idles during the copy, the synchronisation after it, and until the next copy:
+    # the host, held back by the copy, never gets ahead of the GPU again
+    assert report.idle_ms == pytest.approx({"pageable_h2d": 0.41})
+    assert report.gpu_busy == pytest.approx(0.59)
     finding = report.findings[0]
-    assert finding.cost_ms == pytest.approx(0.45) and "01" in finding.notebooks
-    assert "pageable_h2d" in str(report)
+    assert finding.cost_ms == pytest.approx(0.41) and "01" in finding.notebooks
+    assert "pageable_h2d, 0.41 ms a step" in str(report)
 
 
-def test_checkup_trace_tells_item_from_a_blocking_d2h_and_an_explicit_sync():
+def test_checkup_trace_tells_item_from_a_blocking_d2h_and_an_explicit_sync_by_cost():
     def body(t0, k):
-        return [_host("cpu_op", "aten::item", t0 + 10, 100),
-                _host("cpu_op", "aten::_local_scalar_dense", t0 + 11, 98),
-                _host("cuda_runtime", "cudaMemcpyAsync", t0 + 12, 5, correlation=20 + k),
-                _host("cuda_runtime", "cudaStreamSynchronize", t0 + 20, 80),
-                _device("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", t0 + 90, 2, 7,
+        return [_device("kernel", "a", t0, 300, 7),
+                _host("cpu_op", "aten::item", t0 + 10, 310),
+                _host("cpu_op", "aten::_local_scalar_dense", t0 + 11, 308),
+                _host("cuda_runtime", "cudaMemcpyAsync", t0 + 12, 298, correlation=20 + k),
+                _device("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", t0 + 300, 2, 7,
                         correlation=20 + k, nbytes=4),
-                _host("cpu_op", "aten::copy_", t0 + 200, 100),
-                _host("cuda_runtime", "cudaMemcpyAsync", t0 + 201, 5, correlation=30 + k),
-                _host("cuda_runtime", "cudaStreamSynchronize", t0 + 210, 80),
-                _device("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", t0 + 280, 10, 7,
+                _host("cuda_runtime", "cudaStreamSynchronize", t0 + 311, 7),
+                _device("kernel", "b", t0 + 330, 270, 7),
+                _host("cpu_op", "aten::copy_", t0 + 340, 280),
+                _host("cuda_runtime", "cudaMemcpyAsync", t0 + 341, 269, correlation=30 + k),
+                _device("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", t0 + 600, 10, 7,
                         correlation=30 + k, nbytes=4096),
-                _host("cuda_runtime", "cudaDeviceSynchronize", t0 + 400, 50),
-                _device("kernel", "k", t0 + 100, 100, 7)]
+                _host("cuda_runtime", "cudaStreamSynchronize", t0 + 611, 4),
+                _device("kernel", "c", t0 + 625, 275, 7),
+                _host("cuda_runtime", "cudaDeviceSynchronize", t0 + 630, 275)]
 
     report = helpers.analyze_checkup_trace(_step_trace(1000, body), steps=2)
-    assert report.kinds == {"scalar_read", "blocking_d2h", "explicit_sync"}
-    assert report.syncs == {"scalar_read": 1, "blocking_d2h": 1, "explicit": 1}
+    assert [f.kind for f in report.findings] == ["explicit_sync", "scalar_read",
+                                                 "blocking_d2h"], str(report)
+    assert [f.cost_ms for f in report.findings] == pytest.approx([0.1, 0.03, 0.025])
+    assert report.syncs == {"scalar_read": 1, "blocking_d2h": 1, "explicit_sync": 1}
     assert report.d2h == (2, 4100)
+    assert report.idle_ms == pytest.approx({"explicit_sync": 0.1, "scalar_read": 0.03,
+                                            "blocking_d2h": 0.025})
 
 
 def test_checkup_trace_sees_an_exposed_pinned_copy_and_a_hidden_one():
     def exposed(t0, k):
         return [_device("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", t0, 200, 7, nbytes=8),
-                _device("kernel", "k", t0 + 200, 700, 7)]
+                _device("kernel", "k", t0 + 200, 750, 7)]
 
     def hidden(t0, k):
         return [_device("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", t0 + 100, 200, 9,
@@ -664,7 +680,7 @@ def test_checkup_trace_sees_an_exposed_pinned_copy_and_a_hidden_one():
                 _device("kernel", "k", t0, 990, 7)]
 
     report = helpers.analyze_checkup_trace(_step_trace(1000, exposed), steps=2)
-    assert report.kinds == {"copy_exposed"}
+    assert report.kinds == {"copy_exposed"}, str(report)
     assert report.copy_exposed_ms == pytest.approx(0.2)
     clean = helpers.analyze_checkup_trace(_step_trace(1000, hidden), steps=2)
     assert clean.findings == [] and clean.copy_exposed_ms == 0
@@ -677,9 +693,10 @@ def test_checkup_trace_sees_the_gpu_idle_waiting_for_data_and_ignores_other_thre
                 _host("cuda_runtime", "cudaStreamSynchronize", t0 + 400, 500, tid=2),
                 _device("kernel", "k", t0 + 300, 690, 7)]
 
-    report = helpers.analyze_checkup_trace(_step_trace(1000, body), steps=2)
-    assert report.kinds == {"data_wait"}
-    assert report.data_wait_ms == pytest.approx(0.3) and report.data_idle_ms == pytest.approx(0.3)
+    report = helpers.analyze_checkup_trace(_step_trace(1000, body, steps=3), steps=3)
+    assert report.kinds == {"data_wait"}, str(report)
+    # the GPU idles in the wait, and before it while the host catches up on the last one
+    assert report.data_wait_ms == pytest.approx(0.3) and report.data_idle_ms == pytest.approx(0.31)
     assert report.syncs == {}
 
     def busy_meanwhile(t0, k):  # the GPU still runs queued work: the wait costs nothing
@@ -688,26 +705,92 @@ def test_checkup_trace_sees_the_gpu_idle_waiting_for_data_and_ignores_other_thre
 
     report = helpers.analyze_checkup_trace(_step_trace(1000, busy_meanwhile), steps=2)
     assert report.findings == [] and report.data_wait_ms == pytest.approx(0.3)
-    with pytest.raises(ValueError, match="expected 3"):
-        helpers.analyze_checkup_trace(_step_trace(1000, body), steps=3)
+    with pytest.raises(ValueError, match="expected 4"):
+        helpers.analyze_checkup_trace(_step_trace(1000, body, steps=3), steps=4)
 
 
-def test_checkup_trace_reads_an_item_once_every_ten_steps_as_no_finding():
-    def body(t0, k):
-        events = [_device("kernel", "k", t0, 990, 7)]
-        if k == 0:
-            events += [_host("cpu_op", "aten::item", t0 + 10, 100),
-                       _host("cpu_op", "aten::_local_scalar_dense", t0 + 11, 98),
-                       _host("cuda_runtime", "cudaStreamSynchronize", t0 + 20, 80)]
-        return events
+def test_checkup_trace_names_a_read_only_where_it_costs():
+    def body(t0, k):  # step 0 reads a scalar at its end, and the GPU waits for the host
+        # each step's kernel is launched well ahead (it waits in the queue), except after the
+        # read, when the host is behind: it catches up by step 2
+        launch = [_host("cuda_runtime", "cudaLaunchKernel", t0 - (5 if k == 1 else 100), 3,
+                        correlation=50 + k)]
+        if k:
+            return launch + [_device("kernel", "k", t0, 990, 7, correlation=50 + k)]
+        return launch + [_device("kernel", "k", t0, 900, 7, correlation=50),
+                _host("cpu_op", "aten::item", t0 + 10, 895),
+                _host("cpu_op", "aten::_local_scalar_dense", t0 + 11, 893),
+                _host("cuda_runtime", "cudaStreamSynchronize", t0 + 20, 882)]
 
-    trace = _step_trace(1000, body)
-    assert helpers.analyze_checkup_trace(trace, steps=2).kinds == {"scalar_read"}  # 1 in 2
-    marks = [e for e in trace["traceEvents"] if e["name"] == helpers.STEP_MARK]
-    for k in range(2, 10):  # eight more steps without a read: 1 in 10
-        trace["traceEvents"].append({**marks[0], "ts": 1000 + k * 1000})
-        trace["traceEvents"].append(_device("kernel", "k", 1000 + k * 1000, 990, 7))
-    assert helpers.analyze_checkup_trace(trace, steps=10).findings == []
+    report = helpers.analyze_checkup_trace(_step_trace(1000, body), steps=2)
+    assert report.kinds == {"scalar_read"} and report.findings[0].cost_ms == pytest.approx(0.1)
+    # once in ten steps, it costs a tenth as much, and is no finding
+    assert helpers.analyze_checkup_trace(_step_trace(1000, body, steps=10), steps=10).findings \
+        == []
+
+    def completed(t0, k):  # an event recorded steps ago: the wait returns at once, GPU busy
+        return [_device("kernel", "k", t0, 990, 7),
+                _host("cuda_runtime", "cudaEventSynchronize", t0 + 500, 2)]
+
+    report = helpers.analyze_checkup_trace(_step_trace(1000, completed), steps=2)
+    assert report.syncs == {"explicit_sync": 1} and report.findings == [], str(report)
+
+
+def test_checkup_trace_sees_a_sync_on_autograds_thread_and_a_host_bound_step():
+    def backward_item(t0, k):  # autograd's thread (tid 3) launches kernels, then reads .item()
+        return [_host("cuda_runtime", "cudaLaunchKernel", t0 + 5, 5, tid=3),
+                _device("kernel", "grad", t0 + 10, 700, 7),
+                _host("cpu_op", "autograd::engine::evaluate_function: CheckBackward", t0 + 20,
+                      700, tid=3),
+                _host("cpu_op", "CheckBackward", t0 + 21, 698, tid=3),
+                _host("cpu_op", "aten::item", t0 + 30, 688, tid=3),
+                _host("cpu_op", "aten::_local_scalar_dense", t0 + 31, 686, tid=3),
+                _host("cuda_runtime", "cudaStreamSynchronize", t0 + 40, 675, tid=3),
+                _device("kernel", "step", t0 + 800, 180, 7)]
+
+    report = helpers.analyze_checkup_trace(_step_trace(1000, backward_item), steps=2)
+    assert report.kinds == {"scalar_read"}, str(report)
+    assert "CheckBackward" in str(report.findings[0]) and ".item()" in str(report.findings[0])
+    # from the read to the next kernel, and the host, behind, never gets ahead again
+    assert report.idle_ms["scalar_read"] == pytest.approx(0.12)
+
+    def host_bound(t0, k):  # kernels of 20 us, launched every 100 us
+        return [_device("kernel", "tiny", t0 + 100 * i, 20, 7) for i in range(10)]
+
+    report = helpers.analyze_checkup_trace(_step_trace(1000, host_bound), steps=2,
+                                           step_ms=0.5)
+    assert report.kinds == {"host_bound"}, str(report)
+    # at the unprofiled pace (0.5 ms a step) the GPU idles 0.5 - 0.2 ms, all of it the host's
+    assert report.findings[0].cost_ms == pytest.approx(0.3)
+    assert report.gpu_busy == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("frames, ops, direction, kind, label", [
+    (["train.py(10): step", "torch/amp/grad_scaler.py(375): step",
+      "<built-in method item of Tensor object at 0x1>"], ["aten::item"], "d2h", "grad_scaler",
+     "GradScaler.step()"),
+    (["train.py(10): step", "torch/nn/utils/clip_grad.py(160): clip_grad_norm_"],
+     ["aten::is_nonzero", "aten::item"], None, "nonfinite_check", "clip_grad_norm_"),
+    (["train.py(10): step", "<built-in method tensor of type object at 0x1>"],
+     ["aten::to", "aten::_to_copy", "aten::copy_"], "h2d_pageable", "constant_h2d",
+     "torch.tensor()"),
+    (["train.py(10): step", "<built-in method to of Tensor object at 0x1>"],
+     ["aten::to", "aten::_to_copy", "aten::copy_"], "h2d_pageable", "pageable_h2d", ".to()"),
+    (["train.py(10): step", "<built-in method bincount of type object at 0x1>"],
+     ["aten::bincount", "aten::to", "aten::copy_"], "d2h", "hidden_sync", "aten::bincount"),
+    (["train.py(10): step", "torch/functional.py(1000): _return_output",
+      "<built-in method _unique2 of type object at 0x1>"], ["aten::_unique2"], None,
+     "hidden_sync", "unique"),
+    (["train.py(10): step", "<built-in method item of Tensor object at 0x1>"],
+     ["aten::item", "aten::_local_scalar_dense"], "d2h", "scalar_read", ".item()"),
+    (["train.py(10): step", "torch/cuda/__init__.py(1152): synchronize",
+      "<built-in function _cuda_synchronize>"], [], None, "explicit_sync", "synchronize"),
+])
+def test_checkup_names_the_call_in_the_readers_code(frames, ops, direction, kind, label):
+    stack = [{"cat": "python_function", "name": f} for f in frames]
+    stack += [{"cat": "cpu_op", "name": op} for op in ops]
+    cause = helpers._classify(stack, direction)
+    assert (cause.kind, cause.where) == (kind, "in step") and label in cause.label
 
 
 # A small step whose one defect is planted: the check-up must name that one and nothing else.
@@ -774,13 +857,10 @@ def test_checkup_names_a_loader_that_starves_the_gpu():
     assert report.kinds == {"data_wait"}, str(report)
 
 
-# Issue 20: the check-up on common real steps (not planted defects). Each case pairs a step
-# with the same step without its defect; the check-up must name exactly the expected findings,
-# and the cost it reports must explain the measured step-time difference (within 25 %, or
-# 0.5 ms). Today's check-up fails every one of them: they are strict xfails, so the day one
-# passes, its marker must go (and a failure for another reason than the assertion is an error).
-issue_20 = pytest.mark.xfail(strict=True, raises=AssertionError,
-                             reason="issue 20: the check-up's causes and costs on real steps")
+# The check-up on common real steps (not planted defects). Each case pairs a step with the
+# same step without its defect; the check-up must name exactly the expected findings, and the
+# cost it reports must explain the measured step-time difference (within 25 %, or 0.5 ms).
+# Before issue 20's analysis (GPU idle owned by causes, stacks, all threads) every one failed.
 
 
 def _real_step_cases():
@@ -853,7 +933,6 @@ def _real_step_cases():
 
 
 @needs_cuda
-@issue_20
 @pytest.mark.parametrize("case", ["item_in_backward", "unique", "repeat_interleave", "bincount",
                                   "constant_each_step", "nonfinite_check", "old_event_read",
                                   "host_bound"])
@@ -871,7 +950,6 @@ def test_checkup_names_the_cause_and_its_cost_on_a_real_step(case):
 
 
 @needs_cuda
-@issue_20
 def test_checkup_times_a_slow_loader_at_its_steady_pace():
     from torch.utils.data import DataLoader, Dataset
 
@@ -898,3 +976,13 @@ def test_checkup_times_a_slow_loader_at_its_steady_pace():
     steady = helpers.checkup(step, loader, warmup=3 * 4 + 5)
     assert report.step_ms == pytest.approx(steady.step_ms, rel=0.1), (report.step_ms,
                                                                      steady.step_ms)
+
+
+def test_checkup_counts_the_batches_a_loaders_workers_hold_ready():
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(range(8), num_workers=3, prefetch_factor=4)
+    assert helpers._buffered_batches(loader) == 12
+    assert helpers._buffered_batches(helpers.Prefetcher(loader, "cpu")) == 12
+    assert helpers._buffered_batches([1, 2]) == 0
+    assert helpers.checkup_batches(3, 4) == helpers.checkup_batches() + 12 == 58
