@@ -1477,18 +1477,30 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
         index = bisect.bisect_right(kernel_union, (t, float("inf"))) - 1
         return index >= 0 and kernel_union[index][1] > t
 
+    # The host is ahead when the GPU finds work queued: a kernel that starts well after its
+    # launch, or a gap whose next work was launched before the gap began (a bubble between
+    # queued kernels, or a wait on another stream: no host wait is to blame for it).
+    launched = {c.get("args", {}).get("correlation"): c["ts"] + c["dur"] for c in calls}
+    launch_of_start: dict[float, float] = {}
+    for e in device:
+        if _activity_kind(e["cat"], e["name"]) not in ("H2D", "D2H"):
+            at = launched.get(e.get("args", {}).get("correlation"), e["ts"])
+            launch_of_start[e["ts"]] = min(at, launch_of_start.get(e["ts"], at))
+    bubbles = [(a, b) for a, b in idle if launch_of_start.get(b, b) <= a]
+    idle = [gap for gap in idle if launch_of_start.get(gap[1], gap[1]) > gap[0]]
+    ahead = sorted([e["ts"] for e in device if e["cat"] == "kernel"
+                    and e["ts"] - launched.get(e.get("args", {}).get("correlation"), e["ts"])
+                    > QUEUED_US] + [a for a, _ in bubbles])
+
     # A synchronisation costs only if it waited for work that was running: begun with the GPU
-    # busy, and blocking long enough to have waited (a completed event returns at once).
+    # busy, and blocking long enough to have waited (a completed event returns at once). A wait
+    # for a batch costs only if the GPU ran out of work during it.
     waits = [(s, e, owner) for s, e, is_sync, owner in waits
-             if not is_sync or (e - s >= MIN_WAIT_US and gpu_busy_at(s))]
+             if (owner.kind == "data_wait" and _intersection(idle, [(s, e)]) > 0)
+             or (owner.kind != "data_wait" and not is_sync)
+             or (is_sync and e - s >= MIN_WAIT_US and gpu_busy_at(s))]
     by_end = sorted(waits, key=lambda w: w[1])
     ends = [w[1] for w in by_end]
-    # the host is ahead again once a kernel waits in the queue after its launch
-    launched = {c.get("args", {}).get("correlation"): c["ts"] + c["dur"] for c in calls
-                if c["name"] in LAUNCH_CALLS}
-    ahead = sorted(e["ts"] for e in device if e["cat"] == "kernel"
-                   and e["ts"] - launched.get(e.get("args", {}).get("correlation"), e["ts"])
-                   > QUEUED_US)
 
     def catching_up_on(t):
         index = bisect.bisect_right(ends, t) - 1
@@ -1526,10 +1538,12 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
 
     period_us = (window[1] - window[0]) / periods
     busy_per_step = busy_us / periods
+    queued_per_step = (busy_us + _length(bubbles)) / periods  # the GPU never waited on the host
     scale = 1.0
     if step_ms == step_ms:  # idle at the unprofiled pace: the profiler slows the host only
-        unprofiled_idle = max(step_ms * 1e3 - busy_per_step, 0.0)
-        scale = unprofiled_idle / (period_us - busy_per_step) if period_us > busy_per_step else 0
+        unprofiled_idle = max(step_ms * 1e3 - queued_per_step, 0.0)
+        scale = (unprofiled_idle / (period_us - queued_per_step)
+                 if period_us > queued_per_step else 0.0)
     reference_ms = step_ms if step_ms == step_ms else period_us / 1e3
 
     def kind_of(owner):
@@ -1547,7 +1561,7 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
         syncs={kind: n / steps for kind, n in syncs.items()},
         host_wait_ms=wait_us / steps / 1e3,
         data_wait_ms=_length(_union(data_waits)) / steps / 1e3,
-        idle_ms={k: round(v, 6) for k, v in idle_ms.items() if v > 0},
+        idle_ms={k: round(v, 6) for k, v in idle_ms.items() if v >= 5e-4},
         loader_ms=loader_ms,
         activities=[a for a in parse_chrome_trace(trace)
                     if not a.name.startswith("ProfilerStep#")],
