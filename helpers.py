@@ -1486,8 +1486,8 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
         if _activity_kind(e["cat"], e["name"]) not in ("H2D", "D2H"):
             at = launched.get(e.get("args", {}).get("correlation"), e["ts"])
             launch_of_start[e["ts"]] = min(at, launch_of_start.get(e["ts"], at))
-    bubbles = [(a, b) for a, b in idle if launch_of_start.get(b, b) <= a]
-    idle = [gap for gap in idle if launch_of_start.get(gap[1], gap[1]) > gap[0]]
+    queued = {gap for gap in idle if launch_of_start.get(gap[1], gap[1]) <= gap[0]}
+    bubbles = _subtract(sorted(queued), _union(span for span, _, _ in copies))
     ahead = sorted([e["ts"] for e in device if e["cat"] == "kernel"
                     and e["ts"] - launched.get(e.get("args", {}).get("correlation"), e["ts"])
                     > QUEUED_US] + [a for a, _ in bubbles])
@@ -1495,8 +1495,9 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
     # A synchronisation costs only if it waited for work that was running: begun with the GPU
     # busy, and blocking long enough to have waited (a completed event returns at once). A wait
     # for a batch costs only if the GPU ran out of work during it.
+    host_idle = [gap for gap in idle if gap not in queued]
     waits = [(s, e, owner) for s, e, is_sync, owner in waits
-             if (owner.kind == "data_wait" and _intersection(idle, [(s, e)]) > 0)
+             if (owner.kind == "data_wait" and _intersection(host_idle, [(s, e)]) > 0)
              or (owner.kind != "data_wait" and not is_sync)
              or (is_sync and e - s >= MIN_WAIT_US and gpu_busy_at(s))]
     by_end = sorted(waits, key=lambda w: w[1])
@@ -1531,6 +1532,8 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
             owned[owner] += part
             owned_steps[owner].add(step_of(s))
             rest = _subtract(rest, [(s, e)])
+        if gap in queued:  # what the copies leave of it, nobody on the host is to blame for
+            continue
         for part in rest:
             for start, end, owner in _owners(part, waits, catching_up_on(part[0])):
                 owned[owner] += end - start
