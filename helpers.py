@@ -1228,21 +1228,18 @@ class CheckupReport:
         return "\n".join(lines)
 
     def step_window(self, first: int, count: int = 1) -> list[Activity]:
-        """Profiled steps ``first`` to ``first + count - 1``: their host spans (host clock) and
-        the device work between the starts of their step marks on the GPU, so each step's
-        kernels stay with it although the host ran ahead; times from the window's start,
-        ready for ``plot_timeline``."""
-        def window(spans):
-            end = spans[first + count][0] if first + count < len(spans) else spans[-1][1]
-            return spans[first][0], end
-
-        host = window(self.host_steps)
-        device = window(self.gpu_steps or self.host_steps)
-        origin = min(host[0], device[0])
-        return [replace(a, start_us=a.start_us - origin, end_us=a.end_us - origin)
+        """Profiled steps ``first`` to ``first + count - 1`` as the GPU ran them: the device
+        work from the start of the first one's mark on the GPU to the start of the next, and
+        on the host lane what the host ran meanwhile (often later steps: it runs ahead),
+        clipped to that window; times from the window's start, ready for ``plot_timeline``."""
+        spans = self.gpu_steps or self.host_steps
+        begin = spans[first][0]
+        end = spans[first + count][0] if first + count < len(spans) else spans[-1][1]
+        return [replace(a, start_us=max(a.start_us, begin) - begin,
+                        end_us=min(a.end_us, end) - begin)
                 for a in self.activities
-                if (host if a.kind == "host" else device)[0] <= a.start_us
-                < (host if a.kind == "host" else device)[1]]
+                if (begin <= a.start_us < end if a.kind != "host"
+                    else a.start_us < end and a.end_us > begin)]
 
 
 # Which call of the reader's code made the host wait: from the stack of the blocking call
@@ -1477,9 +1474,10 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
         index = bisect.bisect_right(kernel_union, (t, float("inf"))) - 1
         return index >= 0 and kernel_union[index][1] > t
 
-    # The host is ahead when the GPU finds work queued: a kernel that starts well after its
-    # launch, or a gap whose next work was launched before the gap began (a bubble between
-    # queued kernels, or a wait on another stream: no host wait is to blame for it).
+    # A gap whose next work was launched before the gap began (a bubble between queued
+    # kernels, a wait on another stream) is no host wait's fault. The host is ahead again once
+    # the GPU finds work queued well before it needs it: a kernel that starts QUEUED_US after
+    # its launch, or a gap whose next work was launched that long before.
     launched = {c.get("args", {}).get("correlation"): c["ts"] + c["dur"] for c in calls}
     launch_of_start: dict[float, float] = {}
     for e in device:
@@ -1488,9 +1486,12 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
             launch_of_start[e["ts"]] = min(at, launch_of_start.get(e["ts"], at))
     queued = {gap for gap in idle if launch_of_start.get(gap[1], gap[1]) <= gap[0]}
     bubbles = _subtract(sorted(queued), _union(span for span, _, _ in copies))
+    # (a kernel queued behind a copy, on a side stream, says nothing about the host: only one
+    # queued behind other kernels does)
     ahead = sorted([e["ts"] for e in device if e["cat"] == "kernel"
                     and e["ts"] - launched.get(e.get("args", {}).get("correlation"), e["ts"])
-                    > QUEUED_US] + [a for a, _ in bubbles])
+                    > QUEUED_US and gpu_busy_at(e["ts"] - QUEUED_US / 10)]
+                   + [a for a, b in queued if launch_of_start[b] <= a - QUEUED_US])
 
     # A synchronisation costs only if it waited for work that was running: begun with the GPU
     # busy, and blocking long enough to have waited (a completed event returns at once). A wait
@@ -1513,7 +1514,8 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
         return by_end[index][2]
 
     owned: dict[_Blocking | str, float] = collections.defaultdict(float)
-    owned_steps: dict[_Blocking | str, set] = collections.defaultdict(set)
+    owned_steps: dict[_Blocking | str, collections.Counter] = collections.defaultdict(
+        collections.Counter)  # owner -> step -> idle time it owns there
 
     def step_of(t):
         return max(0, bisect.bisect_right([s for s, _ in marks], t) - 1)
@@ -1530,14 +1532,14 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
             owner = cause_of_correlation.get(correlation) or (
                 "pageable_h2d" if key == "h2d_pageable" else "copy_exposed")
             owned[owner] += part
-            owned_steps[owner].add(step_of(s))
+            owned_steps[owner][step_of(s)] += part
             rest = _subtract(rest, [(s, e)])
         if gap in queued:  # what the copies leave of it, nobody on the host is to blame for
             continue
         for part in rest:
             for start, end, owner in _owners(part, waits, catching_up_on(part[0])):
                 owned[owner] += end - start
-                owned_steps[owner].add(step_of(start))
+                owned_steps[owner][step_of(start)] += end - start
 
     period_us = (window[1] - window[0]) / periods
     busy_per_step = busy_us / periods
@@ -1574,21 +1576,23 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
     report.gpu_steps = [(s - origin, e - origin) for s, e in gpu_steps]
 
     # one finding per cause (kind, what was called, where), costliest first
-    grouped: dict[tuple, list] = collections.defaultdict(lambda: [0.0, set(), 0])
+    grouped: dict[tuple, list] = collections.defaultdict(lambda: [0.0, collections.Counter()])
     for owner, us in owned.items():
         key = (owner, "", "") if isinstance(owner, str) else (owner.kind, owner.label, owner.where)
         grouped[key][0] += us / periods / 1e3 * scale
-        grouped[key][1] |= owned_steps[owner]
+        grouped[key][1].update(owned_steps[owner])
     counts: collections.Counter = collections.Counter()
     for cause in set(sync_count) | set(copy_count):
         counts[(cause.kind, cause.label, cause.where)] += sync_count[cause] or copy_count[cause]
-    for key, (cost_ms, seen_in, _) in grouped.items():
+    for key, (cost_ms, by_step) in grouped.items():
         kind, label, where = key
         share = cost_ms / reference_ms if reference_ms else 0.0
-        if kind in _SHARES:  # no single call to blame: worth a finding past a share
-            if share < _SHARES[kind]:
+        if kind in _SHARES:  # no call to blame: a finding past a share, one odd step aside
+            per_step = sorted(by_step.get(k, 0.0) for k in range(periods))
+            typical = sum(per_step[:-1]) / max(periods - 1, 1) if periods > 2 else cost_ms
+            if typical * (scale / 1e3 if periods > 2 else 1) < _SHARES[kind] * reference_ms:
                 continue
-        elif len(seen_in) < PER_STEP * periods or cost_ms <= 0:
+        elif len(by_step) < PER_STEP * periods or cost_ms <= 0:
             continue
         advice, notebooks = ADVICE[kind]
         report.findings.append(Finding(kind, _seen(kind, label, where, counts[key] / steps,

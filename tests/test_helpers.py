@@ -987,3 +987,15 @@ def test_checkup_counts_the_batches_a_loaders_workers_hold_ready():
     assert helpers._buffered_batches(helpers.Prefetcher(loader, "cpu")) == 12
     assert helpers._buffered_batches([1, 2]) == 0
     assert helpers.checkup_batches(3, 4) == helpers.checkup_batches() + 12 == 58
+
+
+def test_checkup_step_window_keeps_a_steps_kernels_with_it_when_the_host_runs_ahead():
+    def body(t0, k):  # the host marks step k at t0, its kernel runs 2.5 steps later
+        return [_device("kernel", f"k{k}", t0 + 2500, 900, 7)]
+
+    report = helpers.analyze_checkup_trace(_step_trace(1000, body, steps=4), steps=4)
+    window = report.step_window(0)
+    assert [a.name for a in window if a.kind == "kernel"] == ["k0"]
+    assert window[0].start_us == 0 and all(0 <= a.start_us <= a.end_us <= 1000 for a in window)
+    # the host lane: what the host ran meanwhile, steps 2 and 3, clipped to the window
+    assert len([a for a in window if a.kind == "host"]) == 2
