@@ -195,3 +195,52 @@ def test_ci_runs_the_readme_test_command():
 def test_sanitize_file_is_ascii():
     # nbval reads it with the platform's default encoding
     assert (ROOT / "tests" / "sanitize.cfg").read_text(encoding="utf-8").isascii()
+
+
+def _sized_notebook(core_words, core_code, further=True, long_cell=0):
+    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
+    setup = code("import helpers\n" * 50)  # boilerplate: never counted
+    setup.metadata["tags"] = [nbtool.SETUP_TAG]
+    solution = code("x = 1\n" * 60)  # hidden: never counted
+    solution.metadata["tags"] = [nbtool.SOLUTION_TAG]
+    chunks = [min(20, core_code - k) for k in range(0, core_code, 20)]  # cells of 20 lines
+    cells = [md("# Title"), setup, md("word " * core_words)]
+    cells += [code("# a comment\n\n" + "y = 2\n" * n) for n in chunks] + [solution]
+    if long_cell:
+        cells.append(code("z = 3\n" * long_cell))
+    if further:
+        cells += [md(nbtool.GOING_FURTHER + "\n\nmore words here"), code("w = 4\n" * 7)]
+    return nbformat.v4.new_notebook(cells=cells)
+
+
+def test_core_path_sizes_count_prose_and_code_before_going_further():
+    sizes = nbtool.core_sizes(_sized_notebook(100, 12))
+    assert sizes["split"] and sizes["core"] == (101, 12)  # "# Title": one word
+    assert sizes["whole"] == (101 + 5, 12 + 7) and sizes["longest"][0] == 13
+    assert nbtool.core_sizes(_sized_notebook(100, 12, further=False))["split"] is False
+
+
+def test_the_format_checker_holds_a_split_notebook_to_the_core_targets():
+    within = _sized_notebook(nbtool.CORE_WORDS - 10, nbtool.CORE_CODE_LINES - 10)
+    assert nbtool.core_problems("x.ipynb", within) == []
+    words = nbtool.core_problems("x.ipynb", _sized_notebook(nbtool.CORE_WORDS + 1, 5))
+    lines = nbtool.core_problems("x.ipynb", _sized_notebook(5, nbtool.CORE_CODE_LINES + 1))
+    cell = nbtool.core_problems("x.ipynb", _sized_notebook(5, 5, long_cell=nbtool.CELL_LINES + 1))
+    assert ["prose words" in p for p in words] == [True]
+    assert ["code lines" in p for p in lines] == [True]
+    assert any("lines in one code cell" in p for p in cell)
+    # not split yet: reported by `nbtool.py sizes`, not failed
+    assert nbtool.core_problems("x.ipynb", _sized_notebook(5000, 900, further=False)) == []
+
+
+def test_a_script_written_to_a_file_is_not_a_long_cell():
+    script = 'SCRIPT = r"""\n' + "print(1)\n" * 80 + '"""\nopen("s.py", "w").write(SCRIPT)\n'
+    assert nbtool._cell_lines(script) == 1  # the line that writes it
+    assert nbtool._cell_lines("%%writefile s.py\n" + "print(1)\n" * 80) == 0
+    assert nbtool._cell_lines("a = 1\n\nb = 2\n# why\n") == 3
+
+
+def test_the_syllabus_gives_reading_time_for_the_core_and_the_whole():
+    section = nbtool.teaching_section(NOTEBOOKS, nbtool.settings())
+    assert "reading, core / whole" in section
+    assert "min of reading on the core paths" in section

@@ -7,6 +7,8 @@
                                                 teaching metadata, the README's generated
                                                 sections (--fix rewrites what it can)
     python tools/nbtool.py new NN_topic "Title" "The question?"   start a notebook in the format
+    python tools/nbtool.py sizes                each notebook's core path (before "## Going
+                                                further") and whole size against the targets
     python tools/nbtool.py site                 build the static site from the committed outputs
                                                 (nothing executed) into _site/
     python tools/nbtool.py restamp --helpers-from REV [NOTEBOOK ...]   add helpers_units to
@@ -48,6 +50,9 @@ CPU_OK_TAG = "cpu-ok"
 SOLUTION_TAG = "solution"
 SOLUTION_TITLE = "# @title Solution"  # Colab's form title: the code stays hidden until asked for
 EXERCISE_HEADING = "## Exercise"
+GOING_FURTHER = "## Going further"  # after it: depth, executed and checked, off the core path
+CORE_WORDS, CORE_CODE_LINES, CELL_LINES = 1500, 250, 40  # the core path's targets
+WORDS_A_MINUTE, CODE_LINES_A_MINUTE = 200, 20  # for the syllabus' reading times
 TABLE_START, TABLE_END = "<!-- notebook-table:start -->", "<!-- notebook-table:end -->"
 TEACHING_START, TEACHING_END = "<!-- teaching:start -->", "<!-- teaching:end -->"
 COLAB_BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
@@ -510,6 +515,96 @@ def teaching_problems(name: str, nb) -> list[str]:
     return problems
 
 
+def _counted_cells(nb) -> list[tuple[int, object]]:
+    """The cells a reader reads: all but the set-up cell and the hidden solutions."""
+    return [(i, c) for i, c in enumerate(nb.cells)
+            if not is_setup_cell(c) and not is_solution_cell(c)]
+
+
+def _words(text: str) -> int:
+    return len(re.findall(r"[^\W_][\w'’.-]*", text))
+
+
+def _code_lines(source: str) -> int:
+    return sum(1 for line in source.splitlines()
+               if line.strip() and not line.strip().startswith("#"))
+
+
+def _cell_lines(source: str) -> int:
+    """Non-blank lines, but not those of a script the cell writes to a file (a %%writefile
+    cell, or a multi-line string such as a script's text)."""
+    if source.startswith("%%writefile"):
+        return 0
+    lines = source.splitlines()
+    inside: set[int] = set()
+    try:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and node.end_lineno > node.lineno:
+                inside.update(range(node.lineno, node.end_lineno + 1))
+    except SyntaxError:  # IPython magics: count every line
+        pass
+    return sum(1 for number, line in enumerate(lines, 1)
+               if line.strip() and number not in inside)
+
+
+def core_sizes(nb) -> dict:
+    """Prose words and code lines (neither blank nor comment) of the core path, the cells
+    before the "## Going further" heading, and of the whole notebook (the set-up cell and the
+    hidden solutions left out of both); the longest code cell, in non-blank lines (a script
+    written to a file with %%writefile is exempt); and whether the notebook has the split."""
+    cells = _counted_cells(nb)
+    split = next((i for i, c in cells if c.cell_type == "markdown"
+                  and any(line.startswith(GOING_FURTHER) for line in c.source.splitlines())),
+                 None)
+
+    def size(chosen):
+        return (sum(_words(c.source) for _, c in chosen if c.cell_type == "markdown"),
+                sum(_code_lines(c.source) for _, c in chosen if c.cell_type == "code"))
+
+    core = [(i, c) for i, c in cells if split is None or i < split]
+    longest = max(((_cell_lines(c.source), i) for i, c in cells if c.cell_type == "code"),
+                  default=(0, None))
+    return {"core": size(core), "whole": size(cells), "longest": longest,
+            "split": split is not None}
+
+
+def core_problems(name: str, nb) -> list[str]:
+    """A notebook split into a core path and "Going further" keeps its core within the
+    targets, and every code cell short. (Notebooks not split yet are reported by
+    ``nbtool.py sizes``, not failed.)"""
+    sizes = core_sizes(nb)
+    if not sizes["split"]:
+        return []
+    (words, lines), (longest, index) = sizes["core"], sizes["longest"]
+    problems = []
+    if words > CORE_WORDS:
+        problems.append(f"{name}: the core path has {words} prose words (target {CORE_WORDS})")
+    if lines > CORE_CODE_LINES:
+        problems.append(f"{name}: the core path has {lines} code lines "
+                        f"(target {CORE_CODE_LINES})")
+    if longest > CELL_LINES:
+        problems.append(f"{name}, cell {index}: {longest} lines in one code cell "
+                        f"(target {CELL_LINES})")
+    return problems
+
+
+def reading_minutes(words: int, code_lines: int) -> float:
+    return words / WORDS_A_MINUTE + code_lines / CODE_LINES_A_MINUTE
+
+
+def sizes_report(paths: list[Path]) -> str:
+    rows = [f"{'notebook':<32}{'core words':>11}{'core code':>10}{'whole words':>12}"
+            f"{'whole code':>11}{'longest cell':>13}  split"]
+    for path in paths:
+        sizes = core_sizes(read(path))
+        (cw, cl), (ww, wl) = sizes["core"], sizes["whole"]
+        rows.append(f"{path.name:<32}{cw:>11}{cl:>10}{ww:>12}{wl:>11}"
+                    f"{sizes['longest'][0]:>13}  {'yes' if sizes['split'] else 'not yet'}")
+    return "\n".join(rows) + (f"\ntargets for the core path: {CORE_WORDS} words, "
+                              f"{CORE_CODE_LINES} code lines; {CELL_LINES} lines per cell")
+
+
 def format_problems(path: Path, nb, conf: dict) -> list[str]:
     name = path.name
     problems = []
@@ -530,7 +625,8 @@ def format_problems(path: Path, nb, conf: dict) -> list[str]:
             or CPU_OK_TAG not in cells[1].metadata.get("tags", []):
         problems.append(f"{name}: the second cell should be the canonical set-up cell, tagged "
                         f"{SETUP_TAG} and {CPU_OK_TAG}")
-    return problems + solution_problems(name, nb) + teaching_problems(name, nb)
+    return (problems + solution_problems(name, nb) + teaching_problems(name, nb)
+            + core_problems(name, nb))
 
 
 def fix(nb, path: Path, conf: dict) -> None:
@@ -618,23 +714,33 @@ def teaching_section(paths: list[Path], conf: dict) -> str:
     """The syllabus, the agendas and the rules of thumb, from the notebooks' metadata and
     their recorded measurements: regenerated, never typed."""
     notebooks = {path.name[:2]: (path, read(path)) for path in paths}
-    rows = ["| # | the question | builds on | concepts | GPU time (committed run) |",
-            "|---|---|---|---|---|"]
+    rows = ["| # | the question | builds on | concepts | reading, core / whole | "
+            "GPU time (committed run) |", "|---|---|---|---|---|---|"]
+    reading = {}
     for number, (path, nb) in notebooks.items():
         info = nb.metadata.get(METADATA_KEY, {})
         minutes = _minutes(nb)
         needs = info.get("requires_gpus", 1)
         gpu_time = "not run yet" if minutes is None else f"{minutes:.1f} min"
         gpu_time += f" on {needs} GPUs" if needs > 1 else ""
+        sizes = core_sizes(nb)
+        reading[number] = reading_minutes(*sizes["core"])
+        whole = reading_minutes(*sizes["whole"])
         rows.append(f"| [{number}](notebooks/{path.name}) | {info.get('question', '')} | "
                     f"{', '.join(info.get('builds_on', [])) or '-'} | "
-                    f"{', '.join(info.get('concepts', []))} | {gpu_time} |")
-    agendas = ["", "Suggested agendas (GPU time is the committed runs' wall time; allow about "
+                    f"{', '.join(info.get('concepts', []))} | "
+                    f"{reading[number]:.0f} / {whole:.0f} min | {gpu_time} |")
+    agendas = ["", f"Reading time counts {WORDS_A_MINUTE} words or {CODE_LINES_A_MINUTE} lines "
+               "of code a minute; the core path is what comes before a notebook's "
+               f"\"{GOING_FURTHER[3:]}\" section (the whole notebook where it has none yet).",
+               "", "Suggested agendas (GPU time is the committed runs' wall time; allow about "
                "ten minutes of discussion and prediction per notebook):", ""]
     for agenda, numbers in conf.get("agendas", {}).items():
         minutes = sum(_minutes(notebooks[n][1]) or 0 for n in numbers if n in notebooks)
+        read_core = sum(reading.get(n, 0) for n in numbers)
         agendas.append(f"- **{agenda}**: notebooks {', '.join(numbers)} "
-                       f"({minutes:.1f} min of GPU time in all)")
+                       f"({minutes:.1f} min of GPU time, {read_core:.0f} min of reading "
+                       "on the core paths, in all)")
     rules = ["", "### Rules of thumb", "",
              "Each rule cites the measurement that supports it, from the notebook's committed "
              "run.", ""]
@@ -824,6 +930,7 @@ def main(argv: list[str] | None = None) -> int:
     new.add_argument("stem")
     new.add_argument("title")
     new.add_argument("question")
+    sub.add_parser("sizes", help="each notebook's core path and whole size against the targets")
     site = sub.add_parser("site", help="build the static site from the committed outputs")
     site.add_argument("--out", type=Path, default=SITE, help="where (default: _site/)")
     restamp_ = sub.add_parser("restamp", help="add helpers_units to stamps made before they had "
@@ -838,6 +945,9 @@ def main(argv: list[str] | None = None) -> int:
         return _check(args.fix)
     if args.command == "new":
         return _new(args.stem, args.title, args.question)
+    if args.command == "sizes":
+        print(sizes_report(notebook_paths()))
+        return 0
     if args.command == "site":
         start = time.perf_counter()
         try:
