@@ -898,6 +898,20 @@ def _real_step_cases():
             extra()
         optimizer.step()
 
+    scaler = torch.amp.GradScaler("cuda")
+
+    def mixed(dtype, scaled):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=dtype):
+            loss = F.mse_loss(model(x), y)
+        if scaled:  # float16: the scaler checks for infs before every step
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+
     def old_event_read():
         train()
         recorded.append(torch.cuda.Event())
@@ -930,13 +944,15 @@ def _real_step_cases():
                             {"nonfinite_check"}, "clip_grad_norm_"),
         "old_event_read": (old_event_read, train, set(), ""),
         "host_bound": (tiny_step, None, {"host_bound"}, ""),
+        "grad_scaler": (lambda: mixed(torch.float16, True), lambda: mixed(torch.bfloat16, False),
+                        {"grad_scaler"}, "GradScaler"),
     }
 
 
 @needs_cuda
 @pytest.mark.parametrize("case", ["item_in_backward", "unique", "repeat_interleave", "bincount",
                                   "constant_each_step", "nonfinite_check", "old_event_read",
-                                  "host_bound"])
+                                  "host_bound", "grad_scaler"])
 def test_checkup_names_the_cause_and_its_cost_on_a_real_step(case):
     step, clean, expected, word = _real_step_cases()[case]
     report = helpers.checkup(step)
