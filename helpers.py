@@ -369,6 +369,26 @@ def bandwidth_sweep(sizes: Sequence[int], copies: dict[str, Callable[[int], Call
     return results
 
 
+def sustained_rate_gbps(make_copy: Callable[[int], Callable[[], object]], sizes: Sequence[int],
+                        *, rounds: int = 5, repeat: int = 20,
+                        quantile: float = 0.9) -> dict[int, list[float]]:
+    """A copy rate that a rerun reproduces: per size, one rate per round.
+
+    Each round's rate is the ``quantile`` of ``repeat`` copies' rates (timed with CUDA events):
+    a high quantile keeps what the link does and drops copies that another tenant of the host
+    slowed. The rounds take the sizes in turn, so a slow spell falls on every size rather than
+    on one. ``make_copy(nbytes)`` allocates buffers (kept for all rounds) and returns one copy.
+    """
+    copies = {nbytes: make_copy(nbytes) for nbytes in sizes}
+    rates: dict[int, list[float]] = {nbytes: [] for nbytes in sizes}
+    for _ in range(rounds):
+        for nbytes, one_copy in copies.items():
+            timing = time_cuda(one_copy, warmup=2, repeat=repeat)
+            rates[nbytes].append(bandwidth_gbps(nbytes, _quantile(timing.samples_ms,
+                                                                  1 - quantile)))
+    return rates
+
+
 @cache
 def _sleep_cycles_per_ms() -> float:
     cycles = 1 << 20

@@ -1,5 +1,6 @@
 """Unit tests of helpers.py; parts that need a GPU are skipped, with the reason, without CUDA."""
 
+import itertools
 import math
 import time
 
@@ -389,6 +390,28 @@ def test_bandwidth_sweep_times_each_copy_at_each_size(monkeypatch, capsys):
     fig = helpers.plot_sweep([1000, 2000], results, link_gbps=1.0, title="t")
     assert len(fig.axes[0].lines) == 3
     helpers.plt.close(fig)
+
+
+def test_sustained_rate_takes_a_high_quantile_per_round_and_sizes_in_turn(monkeypatch):
+    order = []
+    times = itertools.cycle([4.0, 1.0, 2.0, 3.0])  # ms: each call times these four copies
+
+    def fake_time_cuda(fn, *, warmup, repeat):
+        fn()
+        return helpers.Timing(tuple(next(times) for _ in range(repeat)), "fake")
+
+    monkeypatch.setattr(helpers, "time_cuda", fake_time_cuda)
+
+    def make(nbytes):
+        return lambda: order.append(nbytes)
+
+    rates = helpers.sustained_rate_gbps(make, [10**6, 2 * 10**6], rounds=2, repeat=4,
+                                        quantile=1.0)
+    assert order == [10**6, 2 * 10**6] * 2  # rounds interleave the sizes
+    # quantile 1.0 of the rates is the fastest copy: 1 ms
+    assert rates == {10**6: [1.0, 1.0], 2 * 10**6: [2.0, 2.0]}
+    median = helpers.sustained_rate_gbps(make, [10**6], rounds=1, repeat=4, quantile=0.5)
+    assert median[10**6] == [pytest.approx(10**6 / 2.5e-3 / 1e9)]
 
 
 def test_fault_probe_counts_first_touch_page_faults():
@@ -824,8 +847,6 @@ def _planted_steps():
 @pytest.mark.parametrize("planted", ["pageable_h2d", "scalar_read", "blocking_d2h",
                                      "copy_exposed", "explicit_sync", None])
 def test_checkup_names_exactly_the_planted_defect(planted):
-    import itertools
-
     cases, pinned = _planted_steps()
     step, source = cases[planted]
     if source == "prefetched":  # the clean step: pinned batches, copied one step ahead
