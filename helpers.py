@@ -340,6 +340,32 @@ def benchmark(fn: Callable[[], object], *, min_run_time: float = 1.0) -> Timing:
     return Timing(tuple(t * 1e3 for t in measurement.times), "torch.utils.benchmark")
 
 
+def per_step_ms(make_batches: Callable[[], Iterable], step: Callable[[object], object], *,
+                runs: int = 3, skip: int = 2, tail: int = 0) -> float:
+    """Steady-state GPU time per step of a loop, in ms.
+
+    Each epoch runs ``step(batch)`` over ``make_batches()`` with a CUDA event recorded on the
+    current stream after every step; its time per step is the span from step ``skip`` to the
+    ``tail``-th from last, over the steps between (the first steps fill the pipeline, the last
+    may have nothing left to overlap). The result is the median over ``runs`` epochs, after one
+    warm-up epoch.
+    """
+    per_epoch = []
+    for _ in range(runs + 1):
+        marks = []
+        for batch in make_batches():
+            step(batch)
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
+        torch.cuda.synchronize()
+        last = len(marks) - 1 - tail
+        if last <= skip:
+            raise ValueError(f"an epoch of {len(marks)} steps leaves none to time with "
+                             f"skip={skip}, tail={tail}")
+        per_epoch.append(marks[skip].elapsed_time(marks[last]) / (last - skip))
+    return statistics.median(per_epoch[1:])
+
+
 def format_bytes(nbytes: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
@@ -937,6 +963,17 @@ def plot_sweep(sizes: Sequence[int], results: dict[str, list[Timing]], *, title:
     if title:
         ax.set_title(title)
     return ax.figure
+
+
+def format_transfer(name: str, timing: Timing | float, nbytes: int,
+                    bounds_ms: dict[str, float] | None = None, *, width: int = 40) -> str:
+    """One row of a table of transfers of ``nbytes``: the median time, the rate, and the time
+    over each bound's time (``bounds_ms``: label to ms, a ceiling's say), where 1.00x is as
+    fast as that bound allows and below 1 is faster than it."""
+    median = timing.median_ms if isinstance(timing, Timing) else float(timing)
+    row = f"{name:<{width}} {median:9.2f} ms {bandwidth_gbps(nbytes, median):7.2f} GB/s"
+    return row + "".join(f"   {median / bound:5.2f}x {label}"
+                         for label, bound in (bounds_ms or {}).items())
 
 
 def save_figure(fig, name: str, directory: Path | None = None) -> None:

@@ -368,6 +368,14 @@ def test_stream_lane_id_names_the_profiler_lane():
     assert {a.stream for a in acts if a.kind == "kernel"} == {helpers.stream_lane_id(side)}
 
 
+@needs_cuda
+def test_per_step_ms_times_the_steady_state_step():
+    one_ms = helpers.per_step_ms(lambda: range(12), lambda _: helpers.gpu_busy(1.0), runs=2)
+    assert 0.9 <= one_ms <= 1.15, one_ms
+    with pytest.raises(ValueError, match="leaves none to time"):
+        helpers.per_step_ms(lambda: range(4), lambda _: helpers.gpu_busy(0.1), skip=2, tail=1)
+
+
 def test_format_bytes():
     assert [helpers.format_bytes(n) for n in (512, 4096, 3 << 20, 1 << 30)] == [
         "512 B", "4 KiB", "3 MiB", "1 GiB"]
@@ -920,11 +928,14 @@ def _real_step_cases():
         optimizer.step()
 
     scaler = torch.amp.GradScaler("cuda")
+    # In half precision the matmuls run several times faster: a larger batch keeps the step
+    # bound by the GPU, so that the idle the scaler's read causes is its own.
+    big_x, big_y = x.repeat(4, 1), y.repeat(4, 1)
 
     def mixed(dtype, scaled):
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=dtype):
-            loss = F.mse_loss(model(x), y)
+            loss = F.mse_loss(model(big_x), big_y)
         if scaled:  # float16: the scaler checks for infs before every step
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -1036,3 +1047,12 @@ def test_checkup_step_window_keeps_a_steps_kernels_with_it_when_the_host_runs_ah
     assert window[0].start_us == 0 and all(0 <= a.start_us <= a.end_us <= 1000 for a in window)
     # the host lane: what the host ran meanwhile, steps 2 and 3, clipped to the window
     assert len([a for a in window if a.kind == "host"]) == 2
+
+
+def test_format_transfer_shows_time_rate_and_time_over_each_bound():
+    row = helpers.format_transfer("path", helpers.Timing((10.0, 20.0, 30.0), "t"), 10**9,
+                                  {"fast bound": 10.0, "slow bound": 40.0}, width=6)
+    assert row.startswith("path   ")
+    assert "20.00 ms" in row and "50.00 GB/s" in row
+    assert row.index("2.00x fast bound") < row.index("0.50x slow bound")
+    assert helpers.format_transfer("p", 5.0, 10**9).endswith("200.00 GB/s")

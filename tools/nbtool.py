@@ -569,13 +569,16 @@ def core_sizes(nb) -> dict:
             "split": split is not None}
 
 
-def core_problems(name: str, nb) -> list[str]:
-    """A notebook split into a core path and "Going further" keeps its core within the
-    targets, and every code cell short. (Notebooks not split yet are reported by
-    ``nbtool.py sizes``, not failed.)"""
+# Notebooks still too long for a core path that have not been split yet (issue 21). The list
+# only shrinks: a notebook on it that meets the targets, or has been split, is a problem too.
+NOT_YET_SPLIT = frozenset({"06_dataloader_pinning.ipynb", "10_two_gpus.ipynb"})
+
+
+def core_problems(name: str, nb, not_yet_split: frozenset = NOT_YET_SPLIT) -> list[str]:
+    """The core path (the notebook before "## Going further", or all of it where it has none)
+    keeps within the targets, and every code cell is short. A notebook over the targets must be
+    split, unless ``not_yet_split`` names it."""
     sizes = core_sizes(nb)
-    if not sizes["split"]:
-        return []
     (words, lines), (longest, index) = sizes["core"], sizes["longest"]
     problems = []
     if words > CORE_WORDS:
@@ -586,6 +589,14 @@ def core_problems(name: str, nb) -> list[str]:
     if longest > CELL_LINES:
         problems.append(f"{name}, cell {index}: {longest} lines in one code cell "
                         f"(target {CELL_LINES})")
+    if name in not_yet_split:
+        if sizes["split"] or not problems:
+            return [f"{name}: meets the core-path targets or is split: take it off "
+                    "NOT_YET_SPLIT in tools/nbtool.py"]
+        return []
+    if problems and not sizes["split"]:
+        problems.append(f"{name}: split it into a core path and a \"{GOING_FURTHER[3:]}\" "
+                        "section")
     return problems
 
 
