@@ -965,6 +965,17 @@ def plot_sweep(sizes: Sequence[int], results: dict[str, list[Timing]], *, title:
     return ax.figure
 
 
+def format_transfer(name: str, timing: Timing | float, nbytes: int,
+                    bounds_ms: dict[str, float] | None = None, *, width: int = 40) -> str:
+    """One row of a table of transfers of ``nbytes``: the median time, the rate, and the time
+    over each bound's time (``bounds_ms``: label to ms, a ceiling's say), where 1.00x is as
+    fast as that bound allows and below 1 is faster than it."""
+    median = timing.median_ms if isinstance(timing, Timing) else float(timing)
+    row = f"{name:<{width}} {median:9.2f} ms {bandwidth_gbps(nbytes, median):7.2f} GB/s"
+    return row + "".join(f"   {median / bound:5.2f}x {label}"
+                         for label, bound in (bounds_ms or {}).items())
+
+
 def save_figure(fig, name: str, directory: Path | None = None) -> None:
     """Save ``fig`` as ``figures/<name>.png``; no timestamp or version metadata, so it is
     byte-for-byte the same whenever the same data is drawn."""

@@ -1050,3 +1050,12 @@ def test_checkup_step_window_keeps_a_steps_kernels_with_it_when_the_host_runs_ah
     assert window[0].start_us == 0 and all(0 <= a.start_us <= a.end_us <= 1000 for a in window)
     # the host lane: what the host ran meanwhile, steps 2 and 3, clipped to the window
     assert len([a for a in window if a.kind == "host"]) == 2
+
+
+def test_format_transfer_shows_time_rate_and_time_over_each_bound():
+    row = helpers.format_transfer("path", helpers.Timing((10.0, 20.0, 30.0), "t"), 10**9,
+                                  {"fast bound": 10.0, "slow bound": 40.0}, width=6)
+    assert row.startswith("path   ")
+    assert "20.00 ms" in row and "50.00 GB/s" in row
+    assert row.index("2.00x fast bound") < row.index("0.50x slow bound")
+    assert helpers.format_transfer("p", 5.0, 10**9).endswith("200.00 GB/s")
