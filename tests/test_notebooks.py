@@ -169,6 +169,16 @@ def test_the_format_checker_catches_a_missing_or_visible_solution(notebook):
     assert not any("hidden" in p for p in nbtool.format_problems(path, visible, conf))
 
 
+def test_the_exercise_belongs_to_the_core_path(notebook):
+    path, nb = notebook
+    conf = nbtool.settings()
+    assert not any("core path, before" in p for p in nbtool.format_problems(path, nb, conf))
+    late = copy.deepcopy(nb)  # a "Going further" heading put before the exercise
+    first = next(i for i, c in enumerate(late.cells) if c.cell_type == "markdown" and i > 0)
+    late.cells.insert(first, nbformat.v4.new_markdown_cell(nbtool.GOING_FURTHER))
+    assert any("core path, before" in p for p in nbtool.format_problems(path, late, conf))
+
+
 def test_a_rule_must_cite_a_recorded_measurement(notebook):
     path, nb = notebook
     if not nbtool.outputs_metadata(nb, "measurement"):

@@ -482,6 +482,11 @@ def solution_problems(name: str, nb) -> list[str]:
     if not exercise or exercise[0] > solutions[0]:
         problems.append(f"{name}: a markdown cell with '{EXERCISE_HEADING}' must come before "
                         "the first solution")
+    further = [i for i, c in enumerate(cells) if c.cell_type == "markdown"
+               and any(line.startswith(GOING_FURTHER) for line in c.source.splitlines())]
+    if further and solutions[0] > further[0]:
+        problems.append(f"{name}: the exercise and its solution belong to the core path, before "
+                        f"'{GOING_FURTHER}'")
     for i in solutions:
         cell = cells[i]
         if not cell.source.startswith(SOLUTION_TITLE + "\n"):
