@@ -12,18 +12,29 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
 
 CPU_OK_TAG = "cpu-ok"
 _failed_notebooks: set[str] = set()
+_own_figures_dir: str | None = None
 
 
 def pytest_configure(config):
     # Notebooks re-run under test save their figures here, not over the committed ones
     # (the kernels nbval starts inherit this environment).
-    os.environ.setdefault("COLLECTION_FIGURES_DIR", tempfile.mkdtemp(prefix="figures-"))
+    global _own_figures_dir
+    if "COLLECTION_FIGURES_DIR" not in os.environ:
+        _own_figures_dir = tempfile.mkdtemp(prefix="figures-")
+        os.environ["COLLECTION_FIGURES_DIR"] = _own_figures_dir
+
+
+def pytest_unconfigure(config):
+    # Repeated runs on one machine must not fill its disk with figure folders.
+    if _own_figures_dir is not None:
+        shutil.rmtree(_own_figures_dir, ignore_errors=True)
 
 
 def _is_notebook_cell(item) -> bool:
