@@ -774,6 +774,40 @@ def profile_trace(fn: Callable[[], object], *, warmup: int = 1) -> dict:
         return json.loads(path.read_text())
 
 
+def profile_all_threads(fn: Callable[[], object], *, warmup: int = 1) -> dict:
+    """``profile_trace`` for every thread of the process: the Chrome trace of ``fn`` with the
+    CPU work of each thread (a DataLoader's pin thread, say) under its own ``tid`` and a
+    ``thread_name`` metadata event. torch.profiler records only the calling thread unless told
+    otherwise (torch >= 2.7 can; older versions raise RuntimeError here). Without CUDA only CPU
+    activity is recorded.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        every_thread = _ExperimentalConfig(profile_all_threads=True)
+    except (ImportError, TypeError) as error:
+        raise RuntimeError("this torch's profiler records only the calling thread "
+                           "(torch >= 2.7 can record every thread)") from error
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for _ in range(warmup):
+        fn()
+    sync()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+        with profile(activities=activities, experimental_config=every_thread) as prof:
+            sync()  # the profiler's CUDA set-up, spent before fn (as in profile_trace)
+            fn()
+            sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_text())
+
+
 def profile_activities(fn: Callable[[], object], *, warmup: int = 1) -> list[Activity]:
     """Run ``fn`` under torch.profiler and return what the device did, per stream (and the
     host spans ``fn`` marked with ``record_function``)."""

@@ -270,6 +270,31 @@ def test_profile_trace_counts_the_sync_of_a_blocking_copy():
         "copies"]
 
 
+def test_profile_all_threads_records_the_work_of_other_threads():
+    import threading
+
+    def side():
+        torch.multiprocessing._set_thread_name("side_thread")
+        with torch.profiler.record_function("in side thread"):
+            torch.ones(64).add_(1)
+
+    def work():
+        thread = threading.Thread(target=side)
+        thread.start()
+        thread.join()
+        with torch.profiler.record_function("in main thread"):
+            torch.ones(64).mul_(2)
+
+    trace = helpers.profile_all_threads(work, warmup=0)
+    found = {e["name"]: e["tid"] for e in trace["traceEvents"]
+             if e.get("ph") == "X" and e.get("cat") == "user_annotation"}
+    assert set(found) == {"in main thread", "in side thread"}
+    assert found["in main thread"] == threading.get_native_id()
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    assert "side_thread" in names[found["in side thread"]]
+
+
 # ---------------------------------------------------------------------------- figures
 
 
