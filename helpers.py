@@ -776,8 +776,10 @@ def profile_trace(fn: Callable[[], object], *, warmup: int = 1) -> dict:
 
 def profile_all_threads(fn: Callable[[], object], *, warmup: int = 1) -> dict:
     """``profile_trace`` for every thread of the process: the Chrome trace of ``fn`` with the
-    CPU work of each thread (a DataLoader's pin thread, say) under its own ``tid`` and a
-    ``thread_name`` metadata event. torch.profiler records only the calling thread unless told
+    CPU work of each thread (a DataLoader's pin thread, say) under its own ``tid``, the thread's
+    native id (``threading.get_native_id()``; on Linux also its entry in /proc/self/task, whose
+    ``comm`` names a live thread reliably, unlike the trace's ``thread_name`` metadata, which may
+    be read after a thread has ended). torch.profiler records only the calling thread unless told
     otherwise (torch >= 2.7 can; older versions raise RuntimeError here). Without CUDA only CPU
     activity is recorded.
     """

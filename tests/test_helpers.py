@@ -273,8 +273,10 @@ def test_profile_trace_counts_the_sync_of_a_blocking_copy():
 def test_profile_all_threads_records_the_work_of_other_threads():
     import threading
 
+    side_ids = []
+
     def side():
-        torch.multiprocessing._set_thread_name("side_thread")
+        side_ids.append(threading.get_native_id())
         with torch.profiler.record_function("in side thread"):
             torch.ones(64).add_(1)
 
@@ -289,10 +291,10 @@ def test_profile_all_threads_records_the_work_of_other_threads():
     found = {e["name"]: e["tid"] for e in trace["traceEvents"]
              if e.get("ph") == "X" and e.get("cat") == "user_annotation"}
     assert set(found) == {"in main thread", "in side thread"}
+    # each thread's work under its own id, the OS's (the name the profiler gives a thread that
+    # has ended is not reliable: it can be read after the thread is gone)
     assert found["in main thread"] == threading.get_native_id()
-    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    assert "side_thread" in names[found["in side thread"]]
+    assert found["in side thread"] == side_ids[0]
 
 
 # ---------------------------------------------------------------------------- figures
