@@ -1205,7 +1205,13 @@ class PinnedPool:
                 self.held_bytes -= other[0] * other[1].itemsize
             self.held_bytes += nbytes
             self.allocations += 1
-        return torch.empty(numel, dtype=dtype, pin_memory=self.pin), []
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=self.pin), []
+        except BaseException:  # pinning failed: the pool does not hold what it counted
+            with self._lock:
+                self.held_bytes -= nbytes
+                self.allocations -= 1
+            raise
 
     def give(self, buffer: torch.Tensor, fences: list) -> None:
         with self._lock:
@@ -1303,6 +1309,10 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         stream = torch.cuda.current_stream(tensor.device)
         buffer, fences = self.pool.take(tensor.numel(), tensor.dtype)
         slot = _Offloaded(self._next_index, self.step, tensor, buffer.view(tensor.shape))
+        # The buffer goes back to the pool when the slot goes, even if what follows raises; the
+        # old fences stay with it until the new copy's event replaces them.
+        slot.fences.extend(fences)
+        weakref.finalize(slot, self.pool.give, buffer, slot.fences)
         self._next_index += 1
         self.d2h.wait_stream(stream)  # the op that wrote the tensor runs before the copy reads it
         for fence in fences:  # and the copies that last used the buffer end before it is written
@@ -1310,8 +1320,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         with torch.cuda.stream(self.d2h):
             slot.host.copy_(tensor, non_blocking=True)
         slot.copied = self.d2h.record_event()
-        slot.fences.append(slot.copied)
-        weakref.finalize(slot, self.pool.give, buffer, slot.fences)
+        slot.fences[:] = [slot.copied]  # it is queued after the old fences on the d2h stream
         slot.gpu, slot.stream = tensor.detach(), stream
         self._held.append(slot)
         if len(self._held) > self.in_flight:

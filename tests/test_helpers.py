@@ -1225,6 +1225,34 @@ def test_offload_hooks_wait_for_each_copy_and_prefetch_ahead(fake_streams):
     assert all(ready for _, ready, _ in asked[1:])  # each was on its way back before it was asked
 
 
+def test_pinned_pool_counts_nothing_for_a_buffer_it_failed_to_allocate(monkeypatch):
+    pool = helpers.PinnedPool(2**20, pin=False)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("cudaHostAlloc failed")
+
+    monkeypatch.setattr(torch, "empty", fails)
+    with pytest.raises(RuntimeError, match="cudaHostAlloc"):
+        pool.take(1000, torch.float32)
+    assert pool.held_bytes == 0 and pool.allocations == 0
+
+
+def test_offload_hooks_give_the_buffer_back_when_packing_fails(fake_streams):
+    import gc
+
+    hooks = _offload_hooks()
+
+    def fails(other):
+        raise RuntimeError("no stream")
+
+    hooks.d2h.wait_stream = fails
+    with pytest.raises(RuntimeError, match="no stream"):
+        hooks.pack(torch.ones(64))
+    gc.collect()
+    assert hooks.pool.held_bytes == hooks.pool.free_bytes == 64 * 4
+    assert not hooks._held
+
+
 def test_offload_hooks_stop_at_the_bound_of_their_pool(fake_streams):
     model, inputs = _small_mlp(), torch.randn(32, 16)
     hooks = _offload_hooks(pool=helpers.PinnedPool(3 * 32 * 16 * 4, pin=False))
