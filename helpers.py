@@ -11,7 +11,8 @@ or on Colab downloads this one file). Sections:
 5. Profiling         device activity as lanes, overlap fraction, timeline picture
 6. Figures           one style, deterministic PNGs in ``figures/``
 7. Results, claims   measurements recorded in output metadata; claims checked as they run
-8. Batches           nested batches moved to a device; a side-stream prefetcher
+8. Batches           nested batches moved to a device; a side-stream prefetcher; activations
+                     offloaded to pinned host memory on side streams (OffloadHooks)
 9. Check-up          time and profile a training step; name what it spends on moving data
 """
 
@@ -1191,6 +1192,213 @@ class Prefetcher:
 
 
 _END = object()
+
+
+# Activations saved for backward, offloaded to pinned host memory on side streams (notebook 11)
+
+
+class PinnedPool:
+    """Host buffers that activations travel through, reused from one step to the next.
+
+    Buffers are flat and keyed by (element count, dtype), so any shape with that many elements
+    fits one. ``take`` hands out a free buffer of the key, or allocates one (pinned, unless
+    ``pin=False``), with its *fences*: the events recorded after the last copies that used it,
+    which whoever writes it next must wait for. ``give`` takes a buffer back with its new fences.
+    The pool holds at most ``max_bytes`` in all: to allocate past that, it first drops free
+    buffers of other keys, and if that is not enough it raises ``MemoryError``.
+    """
+
+    def __init__(self, max_bytes: int, *, pin: bool = True):
+        import threading
+
+        self.max_bytes, self.pin = max_bytes, pin
+        self.held_bytes = 0  # the buffers in use and the free ones
+        self.allocations = 0  # buffers allocated so far: a steady loop stops adding to it
+        self._free: dict[tuple, list] = collections.defaultdict(list)
+        self._lock = threading.Lock()  # buffers come back from autograd's backward thread
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(k[0] * k[1].itemsize * len(v) for k, v in self._free.items())
+
+    def take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, list]:
+        key = (numel, dtype)
+        with self._lock:
+            if self._free[key]:
+                return self._free[key].pop()
+            nbytes = numel * dtype.itemsize
+            while self.held_bytes + nbytes > self.max_bytes:
+                other = next((k for k, free in self._free.items() if free), None)
+                if other is None:
+                    raise MemoryError(
+                        f"the pinned pool holds {format_bytes(self.held_bytes)}, all in use, of "
+                        f"at most {format_bytes(self.max_bytes)}: {format_bytes(nbytes)} more "
+                        "do not fit; raise its max_bytes or offload fewer activations")
+                # A dropped pinned block is not handed out again before the copies recorded
+                # on it are done: PyTorch's caching host allocator keeps their events.
+                self._free[other].pop()
+                self.held_bytes -= other[0] * other[1].itemsize
+            self.held_bytes += nbytes
+            self.allocations += 1
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=self.pin), []
+        except BaseException:  # pinning failed: the pool does not hold what it counted
+            with self._lock:
+                self.held_bytes -= nbytes
+                self.allocations -= 1
+            raise
+
+    def give(self, buffer: torch.Tensor, fences: list) -> None:
+        with self._lock:
+            self._free[(buffer.numel(), buffer.dtype)].append((buffer, list(fences)))
+
+    def clear(self) -> None:
+        """Drop the free buffers (call ``empty_pinned_cache`` after, to unpin them)."""
+        with self._lock:
+            for (numel, dtype), free in self._free.items():
+                self.held_bytes -= numel * dtype.itemsize * len(free)
+            self._free.clear()
+
+
+class _Offloaded:
+    """What the pack hook saves in place of an activation: where its copy lives on the host, and
+    what the unpack hook needs to bring it back."""
+
+    def __init__(self, index: int, step: int, tensor: torch.Tensor, host: torch.Tensor):
+        self.index, self.step = index, step
+        self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
+        self.host = host  # the pinned copy; valid once ``copied`` has completed
+        self.copied = None  # event after the copy to the host, on the D2H stream
+        self.fences: list = []  # events after which the host buffer may be written again
+        self.gpu = None  # the activation itself, while the hooks still hold it
+        self.stream = None  # the stream that produced it (the forward's)
+        self.back = None  # the activation brought back to the GPU
+        self.arrived = None  # event after the copy back, on the H2D stream
+
+
+class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Keep the activations autograd saves for backward in pinned host memory, copied there
+    and back on side streams. A context manager around the forward (the backward may run inside
+    the block or after it); one instance serves every step::
+
+        hooks = helpers.OffloadHooks()
+        with hooks:
+            loss = model(x).square().mean()
+        loss.backward()
+
+    Forward: a saved tensor on ``device`` of at least ``min_bytes`` is copied on the ``d2h``
+    stream into a buffer from ``pool`` (a ``PinnedPool`` of ``max_pinned_bytes``), after that
+    stream has waited for the forward's stream (the op that wrote the tensor runs first) and for
+    the buffer's fences. Parameters, and views of them, are kept as they are: they stay on the
+    GPU anyway. The hooks hold each offloaded activation until its copy is done, at most
+    ``in_flight`` of them: past that, the forward's stream waits on the oldest copy's event and
+    the hooks let go of it, so that its memory is reused only after the copy has read it.
+
+    Backward: when autograd asks for an activation, it and the ``prefetch`` offloaded before it
+    (the next ones backward will ask for) are copied back on the ``h2d`` stream, into memory
+    allocated on the asking stream, which the ``h2d`` stream waits for first (work queued there
+    may still use that memory); the asking stream waits on the event after the copy. An
+    activation the hooks still hold comes back as it is, marked with ``record_stream`` for its
+    pending copy. A host buffer returns to the pool when autograd lets go of what the pack hook
+    gave it, with the events of the copies that used it as its fences.
+
+    ``retain_graph=True`` keeps what comes back on the GPU until the graph goes.
+    """
+
+    def __init__(self, device: torch.device | str = "cuda", *, max_pinned_bytes: int = 2**32,
+                 in_flight: int = 3, prefetch: int = 3, min_bytes: int = 2**20,
+                 pool: PinnedPool | None = None):
+        import weakref
+
+        self.device = torch.device(device)
+        self.in_flight, self.prefetch, self.min_bytes = in_flight, prefetch, min_bytes
+        self.pool = pool if pool is not None else PinnedPool(max_pinned_bytes)
+        self.d2h, self.h2d = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        self.step = 0  # forwards begun; prefetching stays within one forward's activations
+        self.offloaded_bytes = 0  # in this step
+        self._held: collections.deque = collections.deque()  # offloaded, still held on the GPU
+        self._by_index: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._next_index = 0
+        super().__init__(self.pack, self.unpack)
+
+    def __enter__(self):
+        while self._held:  # left from a forward whose backward never asked for them
+            self._let_go(self._held.popleft())
+        self.step += 1
+        self.offloaded_bytes = 0
+        super().__enter__()
+        return self
+
+    def keeps(self, tensor: torch.Tensor) -> bool:
+        """Whether ``pack`` leaves ``tensor`` where it is rather than offload it."""
+        base = tensor if tensor._base is None else tensor._base
+        return (tensor.device.type != self.device.type or tensor.layout != torch.strided
+                or tensor.numel() * tensor.element_size() < self.min_bytes
+                or (base.is_leaf and base.requires_grad))
+
+    def pack(self, tensor: torch.Tensor):
+        if self.keeps(tensor):
+            return tensor.detach()  # not the tensor itself: it may hold the graph that saves it
+        import weakref
+
+        stream = torch.cuda.current_stream(tensor.device)
+        buffer, fences = self.pool.take(tensor.numel(), tensor.dtype)
+        slot = _Offloaded(self._next_index, self.step, tensor, buffer.view(tensor.shape))
+        # The buffer goes back to the pool when the slot goes, even if what follows raises; the
+        # old fences stay with it until the new copy's event replaces them.
+        slot.fences.extend(fences)
+        weakref.finalize(slot, self.pool.give, buffer, slot.fences)
+        self._next_index += 1
+        self.d2h.wait_stream(stream)  # the op that wrote the tensor runs before the copy reads it
+        for fence in fences:  # and the copies that last used the buffer end before it is written
+            self.d2h.wait_event(fence)
+        with torch.cuda.stream(self.d2h):
+            slot.host.copy_(tensor, non_blocking=True)
+        slot.copied = self.d2h.record_event()
+        slot.fences[:] = [slot.copied]  # it is queued after the old fences on the d2h stream
+        slot.gpu, slot.stream = tensor.detach(), stream
+        self._held.append(slot)
+        if len(self._held) > self.in_flight:
+            self._let_go(self._held.popleft())
+        self._by_index[slot.index] = slot
+        self.offloaded_bytes += tensor.numel() * tensor.element_size()
+        return slot
+
+    def _let_go(self, slot: _Offloaded) -> None:
+        # Work queued on the producing stream from now on, a reuse of the activation's memory
+        # included, waits for its copy; then the hooks can drop it.
+        slot.stream.wait_event(slot.copied)
+        slot.gpu = None
+
+    def _fetch(self, slot: _Offloaded, stream) -> None:
+        slot.back = torch.empty(slot.shape, dtype=slot.dtype, device=slot.device)  # on stream
+        self.h2d.wait_stream(stream)  # that memory may have been freed by work queued on stream
+        self.h2d.wait_event(slot.copied)  # the host copy has landed
+        with torch.cuda.stream(self.h2d):
+            slot.back.copy_(slot.host, non_blocking=True)
+        slot.arrived = self.h2d.record_event()
+        slot.fences.append(slot.arrived)
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        slot = packed
+        stream = torch.cuda.current_stream(slot.device)  # the stream backward runs this node on
+        if slot.gpu is not None:  # never left the GPU
+            self._held.remove(slot)
+            slot.back, slot.gpu = slot.gpu, None
+            slot.back.record_stream(self.d2h)  # its memory waits for the pending copy to read it
+        elif slot.back is None:
+            self._fetch(slot, stream)
+        for index in range(slot.index - 1, slot.index - 1 - self.prefetch, -1):
+            earlier = self._by_index.get(index)
+            if (earlier is not None and earlier.step == slot.step and earlier.gpu is None
+                    and earlier.back is None):
+                self._fetch(earlier, stream)
+        if slot.arrived is not None:
+            stream.wait_event(slot.arrived)  # the node reads it only once the copy has landed
+        return slot.back
 
 
 # --------------------------------------------------------------------------------------------

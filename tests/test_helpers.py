@@ -1086,3 +1086,230 @@ def test_format_transfer_shows_time_rate_and_time_over_each_bound():
     assert "20.00 ms" in row and "50.00 GB/s" in row
     assert row.index("2.00x fast bound") < row.index("0.50x slow bound")
     assert helpers.format_transfer("p", 5.0, 10**9).endswith("200.00 GB/s")
+
+
+# ---------------------------------------------------------------------------- offload hooks
+
+
+def test_pinned_pool_reuses_a_buffer_per_element_count_and_dtype():
+    pool = helpers.PinnedPool(2**20, pin=False)
+    buffer, fences = pool.take(1000, torch.float32)
+    assert fences == [] and buffer.shape == (1000,) and pool.allocations == 1
+    pool.give(buffer, ["copied"])
+    again, fences = pool.take(1000, torch.float32)
+    assert again is buffer and fences == ["copied"] and pool.allocations == 1
+    other, _ = pool.take(1000, torch.float16)  # same count, another dtype: another buffer
+    assert other is not buffer and pool.allocations == 2
+    assert pool.held_bytes == 1000 * 4 + 1000 * 2 and pool.free_bytes == 0
+
+
+def test_pinned_pool_stays_within_its_bound():
+    pool = helpers.PinnedPool(3500, pin=False)
+    first, _ = pool.take(600, torch.float32)  # 2400 bytes
+    pool.give(first, [])
+    second, _ = pool.take(400, torch.float32)  # does not fit beside the free one: it goes
+    assert pool.held_bytes == 1600 and pool.free_bytes == 0 and second.numel() == 400
+    with pytest.raises(MemoryError, match="pinned pool"):
+        pool.take(700, torch.float32)  # 1600 in use + 2800 > 3500, nothing free to drop
+    pool.give(second, [])
+    pool.clear()
+    assert pool.held_bytes == 0 and pool.free_bytes == 0
+
+
+class _FakeEvent:
+    def __init__(self, stream):
+        self.stream = stream
+
+
+class _FakeStream:
+    """Stands in for a CUDA stream: notes every wait and event in a shared log."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def record_event(self):
+        event = _FakeEvent(self)
+        self.log.append((self.name, "record", event))
+        return event
+
+    def wait_event(self, event):
+        self.log.append((self.name, "wait_event", event))
+
+    def wait_stream(self, other):
+        self.log.append((self.name, "wait_stream", other.name))
+
+
+@pytest.fixture
+def fake_streams(monkeypatch):
+    """torch.cuda's streams and events replaced by _FakeStream, so that OffloadHooks runs on
+    CPU tensors (device="cpu"); returns the log and the compute stream."""
+    import contextlib
+
+    log = []
+    compute = _FakeStream("compute", log)
+    current = [compute]
+    names = iter(f"side{i}" for i in itertools.count())
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(next(names), log))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, stream: log.append((stream.name, "record_stream", self)))
+    return log, compute
+
+
+def _small_mlp(width=16, depth=3):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, width),
+                                                     torch.nn.GELU()) for _ in range(depth)))
+
+
+def _grads(model, inputs, hooks=None):
+    import contextlib
+
+    model.zero_grad(set_to_none=True)
+    with hooks if hooks is not None else contextlib.nullcontext():
+        loss = model(inputs).square().sum()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _offload_hooks(**kwargs):
+    kwargs.setdefault("pool", helpers.PinnedPool(2**24, pin=False))
+    return helpers.OffloadHooks("cpu", min_bytes=0, **kwargs)
+
+
+def test_offload_hooks_keep_parameters_their_views_and_small_tensors(fake_streams):
+    hooks = helpers.OffloadHooks("cpu", min_bytes=64, pool=helpers.PinnedPool(2**20, pin=False))
+    weight = torch.nn.Parameter(torch.ones(8, 8))
+    assert hooks.keeps(weight) and hooks.keeps(weight.t())
+    assert hooks.keeps(torch.ones(4))  # 16 bytes < min_bytes
+    assert hooks.keeps(torch.ones(64, device="meta"))  # not on the hooks' device
+    assert not hooks.keeps(torch.ones(64)) and not hooks.keeps(weight * 2)
+    assert hooks.unpack(hooks.pack(weight)) is not weight  # detached, same memory
+    assert hooks.unpack(hooks.pack(weight)).data_ptr() == weight.data_ptr()
+
+
+def test_offload_hooks_give_the_same_gradients_and_reuse_their_buffers(fake_streams):
+    model, inputs = _small_mlp(), torch.randn(32, 16)
+    reference = _grads(model, inputs)
+    hooks = _offload_hooks()
+    for _ in range(3):
+        grads = _grads(model, inputs, hooks)
+        assert all(torch.equal(g, r) for g, r in zip(grads, reference, strict=True))
+    # x; per layer, its GELU's input and its output (the next layer's input, or what the loss
+    # squares): 7 activations of 32x16
+    assert hooks.offloaded_bytes == 7 * 32 * 16 * 4
+    assert hooks.pool.allocations == 7  # allocated in the first step, reused after
+    assert hooks.pool.free_bytes == hooks.pool.held_bytes == 7 * 32 * 16 * 4
+    assert not hooks._held
+
+
+def test_offload_hooks_wait_for_each_copy_and_prefetch_ahead(fake_streams):
+    log, compute = fake_streams
+    model, inputs = _small_mlp(), torch.randn(32, 16)
+    hooks = _offload_hooks(in_flight=1, prefetch=2)
+    slots, held, asked = [], [], []
+    pack, unpack = hooks.pack, hooks.unpack
+
+    def packing(tensor):
+        slot = pack(tensor)
+        if not isinstance(slot, torch.Tensor):
+            slots.append(slot)
+        held.append(len(hooks._held))
+        return slot
+
+    def unpacking(packed):
+        if not isinstance(packed, torch.Tensor):
+            asked.append((packed, packed.back is not None, packed.gpu is not None))
+        return unpack(packed)
+
+    hooks.pack_hook, hooks.unpack_hook = packing, unpacking
+    _grads(model, inputs, hooks)
+    d2h, h2d = hooks.d2h.name, hooks.h2d.name
+    assert len(slots) == 7 and max(held) == 1  # never more than in_flight held on the "GPU"
+    for slot in slots:
+        copy_at = log.index((d2h, "record", slot.copied))
+        assert (d2h, "wait_stream", "compute") in log[:copy_at]
+    # every activation the hooks let go of: the compute stream waited for its copy first
+    let_go = [s for s in slots if s.arrived is not None]
+    assert len(let_go) == 6  # the last one stayed on the "GPU" and came back as it was
+    for slot in let_go:
+        assert ("compute", "wait_event", slot.copied) in log
+        fetched_at = log.index((h2d, "record", slot.arrived))
+        assert (h2d, "wait_event", slot.copied) in log[:fetched_at]
+        assert ("compute", "wait_event", slot.arrived) in log[fetched_at:]
+    assert [s.index for s, _, _ in asked] == [6, 5, 4, 3, 2, 1, 0]  # backward asks in reverse
+    assert asked[0][2] and (d2h, "record_stream", slots[6].back) in log
+    assert all(ready for _, ready, _ in asked[1:])  # each was on its way back before it was asked
+
+
+def test_pinned_pool_counts_nothing_for_a_buffer_it_failed_to_allocate(monkeypatch):
+    pool = helpers.PinnedPool(2**20, pin=False)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("cudaHostAlloc failed")
+
+    monkeypatch.setattr(torch, "empty", fails)
+    with pytest.raises(RuntimeError, match="cudaHostAlloc"):
+        pool.take(1000, torch.float32)
+    assert pool.held_bytes == 0 and pool.allocations == 0
+
+
+def test_offload_hooks_give_the_buffer_back_when_packing_fails(fake_streams):
+    import gc
+
+    hooks = _offload_hooks()
+
+    def fails(other):
+        raise RuntimeError("no stream")
+
+    hooks.d2h.wait_stream = fails
+    with pytest.raises(RuntimeError, match="no stream"):
+        hooks.pack(torch.ones(64))
+    gc.collect()
+    assert hooks.pool.held_bytes == hooks.pool.free_bytes == 64 * 4
+    assert not hooks._held
+
+
+def test_offload_hooks_stop_at_the_bound_of_their_pool(fake_streams):
+    model, inputs = _small_mlp(), torch.randn(32, 16)
+    hooks = _offload_hooks(pool=helpers.PinnedPool(3 * 32 * 16 * 4, pin=False))
+    with pytest.raises(MemoryError, match="pinned pool"):
+        _grads(model, inputs, hooks)
+
+
+@needs_cuda
+def test_offload_hooks_on_the_gpu_match_and_use_less_memory():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(256, 256),
+                                                      torch.nn.GELU()) for _ in range(6))).cuda()
+    inputs = torch.randn(4096, 256, device="cuda")
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hooks = helpers.OffloadHooks(min_bytes=0, in_flight=1, prefetch=1, max_pinned_bytes=2**28)
+    try:
+        peaks, grads = [], []
+        for offload in (None, hooks, hooks):  # the second run of the hooks reuses their pool
+            _grads(model, inputs, offload)
+            torch.cuda.synchronize()
+            model.zero_grad(set_to_none=True)
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            grads.append(_grads(model, inputs, offload))
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() - before)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    for grad, reference in zip(grads[2], grads[0], strict=True):
+        assert torch.allclose(grad, reference, rtol=1e-5, atol=1e-7)
+    assert peaks[2] < 0.6 * peaks[0], peaks
+    assert hooks.pool.allocations == 13  # x, and per layer its GELU's input and its output
