@@ -14,6 +14,8 @@ or on Colab downloads this one file). Sections:
 8. Batches           nested batches moved to a device; a side-stream prefetcher; activations
                      offloaded to pinned host memory on side streams (OffloadHooks)
 9. Check-up          time and profile a training step; name what it spends on moving data
+10. Checkpoints      the page cache (residency, eviction), page faults and disk reads of a
+                     call, peak host memory, a checkpoint loader through reused pinned buffers
 """
 
 from __future__ import annotations
@@ -2023,3 +2025,470 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
             close()
         source = None  # a DataLoader iterator shuts its workers down when it is dropped
     return analyze_checkup_trace(traces[0], steps, step_ms, loader_ms)
+
+
+# --------------------------------------------------------------------------------------------
+# 10. Checkpoints: from the disk to the device
+# --------------------------------------------------------------------------------------------
+
+#: File systems whose pages live only in memory: nothing can evict them to a disk.
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs"})
+
+
+def file_system(path: str | os.PathLike) -> str:
+    """The type of the file system that holds ``path`` ("ext4", "xfs", "tmpfs", "overlay"...),
+    from /proc/mounts (the longest mount point that contains it); "unknown" where unreadable."""
+    target = os.path.realpath(path)
+    best, kind = "", "unknown"
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return kind
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
+
+
+def page_cache_share(path: str | os.PathLike) -> float:
+    """The share of a file's pages that sit in the page cache now (0 to 1), asked of the kernel
+    with mincore(2) on a fresh mapping of the file; mapping a file reads none of it."""
+    import mmap
+
+    size = os.path.getsize(path)
+    if size == 0:
+        return 1.0
+    libc = _libc()
+    page = os.sysconf("SC_PAGE_SIZE")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        try:
+            pages = (size + page - 1) // page
+            vector = (ctypes.c_ubyte * pages)()
+            if libc.mincore(ctypes.c_void_p(address), size, vector):
+                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+        finally:
+            libc.munmap(ctypes.c_void_p(address), size)
+    finally:
+        os.close(fd)
+    return sum(byte & 1 for byte in bytes(vector)) / pages
+
+
+def evict_from_page_cache(path: str | os.PathLike, offset: int = 0, length: int = 0) -> float:
+    """Ask the kernel to drop a file's pages (``length`` bytes from ``offset``; 0: to the end)
+    from the page cache, without root: write back what is dirty (fsync), then
+    posix_fadvise(POSIX_FADV_DONTNEED). Returns the share of the whole file still cached.
+
+    The kernel keeps pages it cannot drop: those of a memory file system (tmpfs), those still
+    mapped by a process (a live ``torch.load(mmap=True)`` result), those under writeback.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return page_cache_share(path)
+
+
+def evictable_directory(candidates: Sequence[str | os.PathLike] | None = None) -> str:
+    """The first of ``candidates`` (default: the temporary directory, /var/tmp, the working
+    directory) where the page cache drops a file it is asked to: a small probe file is written
+    there, evicted, checked with ``page_cache_share`` and removed. The first candidate where
+    none does (every file system in memory)."""
+    if candidates is None:
+        candidates = [tempfile.gettempdir(), "/var/tmp", os.getcwd()]
+    for directory in candidates:
+        try:
+            with tempfile.NamedTemporaryFile(dir=directory, prefix="evict-probe-") as probe:
+                probe.write(os.urandom(2**20))
+                probe.flush()
+                if evict_from_page_cache(probe.name) < 0.05:
+                    return os.fspath(directory)
+        except OSError:  # not there, or not writable
+            continue
+    return os.fspath(candidates[0])
+
+
+@dataclass(frozen=True)
+class IOProbe:
+    ms: float  # host wall time of the call
+    minor_faults: int  # pages mapped in without waiting for the disk
+    major_faults: int  # pages that had to be read from the disk first
+    disk_bytes: int | None  # bytes the process had the storage layer read (None: not counted)
+    result: object = field(default=None, repr=False, compare=False)
+
+    def __str__(self) -> str:
+        disk = "disk reads not counted" if self.disk_bytes is None else \
+            f"{format_bytes(self.disk_bytes)} read from the disk"
+        return (f"{_ms(self.ms)}, {self.minor_faults} minor + {self.major_faults} major "
+                f"page faults, {disk}")
+
+
+def _disk_read_bytes() -> int | None:
+    """read_bytes of /proc/self/io: what this process (all its threads) had the storage layer
+    fetch; None where the kernel does not keep the count."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def io_probe(fn: Callable[[], object]) -> IOProbe:
+    """Time one call of ``fn`` (and the device work it queued: CUDA is synchronised after it)
+    and count the page faults, minor and major, and the disk reads of this process during it."""
+    import resource
+
+    def counts():
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_minflt, usage.ru_majflt, _disk_read_bytes()
+
+    _sync()
+    minor, major, disk = counts()
+    start = time.perf_counter()
+    result = fn()
+    _sync()
+    ms = (time.perf_counter() - start) * 1e3
+    minor_after, major_after, disk_after = counts()
+    read = None if disk is None or disk_after is None else disk_after - disk
+    return IOProbe(ms, minor_after - minor, major_after - major, read, result)
+
+
+@dataclass
+class Runs:
+    """The calls of one function by ``interleaved_runs``: a probe per timed call, and whether
+    ``check`` accepted every result (None without a check)."""
+
+    probes: list[IOProbe]
+    ok: bool | None = None
+
+    @property
+    def timing(self) -> Timing:
+        return Timing(tuple(p.ms for p in self.probes), "host clock, synchronised")
+
+    def median(self, attribute: str) -> float:
+        return statistics.median(getattr(p, attribute) for p in self.probes)
+
+
+def interleaved_runs(fns: dict[str, Callable[[], object]], *, rounds: int = 5, warmup: int = 1,
+                     before: Callable[[], object] | None = None,
+                     check: Callable[[str, object], bool] | None = None) -> dict[str, Runs]:
+    """Call each function ``warmup`` times, then ``rounds`` times, taking them in turn (A B C A
+    B C...), so that a slow spell of a shared host falls on all of them. Every call is an
+    ``io_probe``; ``before()`` runs, untimed, before each call (an eviction, say), and
+    ``check(name, result)``, untimed, after each, before the result is dropped."""
+    runs = {name: Runs([], None if check is None else True) for name in fns}
+    for index in range(warmup + rounds):
+        for name, fn in fns.items():
+            if before is not None:
+                before()
+            probe = io_probe(fn)
+            if check is not None:
+                runs[name].ok = bool(check(name, probe.result)) and runs[name].ok
+            if index >= warmup:
+                runs[name].probes.append(replace(probe, result=None))
+            del probe
+    return runs
+
+
+def _status_kib(field_name: str) -> int | None:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1])
+    return None
+
+
+class HostMemoryPeak:
+    """The peak host memory of this process inside a ``with`` block, above what it held at
+    the start. Two measures:
+
+    - ``anonymous_mib``: the peak of RssAnon (memory that belongs to the process alone, such as
+      tensors and pageable copies; file pages it maps are not counted), sampled every
+      ``interval_s`` by a thread, so a peak shorter than that can slip between samples;
+    - ``resident_mib``: the kernel's exact peak of the resident set (VmHWM, reset on entry
+      through /proc/self/clear_refs), which also counts the file pages the process maps, such
+      as a checkpoint loaded with ``mmap=True``; None where the peak cannot be reset.
+
+    On entry, glibc's ``malloc_trim(0)`` first gives the kernel back what earlier frees left in
+    the allocator's heap: memory reused from there would not raise the resident set.
+    """
+
+    def __init__(self, interval_s: float = 0.001):
+        self.interval_s = interval_s
+        self.anonymous_mib = 0.0
+        self.resident_mib: float | None = None
+
+    def __enter__(self):
+        import threading
+
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            self._resident_start = _status_kib("VmRSS")
+        except OSError:
+            self._resident_start = None
+        self._anonymous_start = _status_kib("RssAnon") or 0
+        self._peak_kib = self._anonymous_start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="host-memory-peak", daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        self._peak_kib = max(self._peak_kib, _status_kib("RssAnon") or 0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self.anonymous_mib = (self._peak_kib - self._anonymous_start) / 1024
+        if self._resident_start is not None:
+            self.resident_mib = ((_status_kib("VmHWM") or 0) - self._resident_start) / 1024
+
+
+def _mappings(of: str | None = None) -> list[tuple[int, int, int, str]]:
+    """This process's mappings, from /proc/self/maps: (start, end, file offset, path), sorted;
+    with ``of``, only the lines that name that path (a CUDA process has thousands)."""
+    found = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if of is not None and of not in line:
+            continue
+        fields = line.split(maxsplit=5)
+        low, high = (int(a, 16) for a in fields[0].split("-"))
+        found.append((low, high, int(fields[2], 16), fields[5] if len(fields) > 5 else ""))
+    return sorted(found)
+
+
+def _mapping_of(address: int, mappings: list[tuple[int, int, int, str]]):
+    """The entry of ``mappings`` that holds ``address``."""
+    index = bisect.bisect_right(mappings, (address, float("inf"))) - 1
+    if index < 0 or not mappings[index][0] <= address < mappings[index][1]:
+        raise ValueError(f"address {address:#x} is in no mapping of this process")
+    return mappings[index]
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """One storage of a checkpoint: where its bytes lie in the file, and the storage that
+    ``torch.load(mmap=True)`` mapped onto them."""
+
+    offset: int
+    nbytes: int
+    mapped: torch.UntypedStorage
+
+
+def checkpoint_index(path: str | os.PathLike):
+    """What ``torch.load(path, mmap=True)`` returns (every tensor a view of the file, nothing
+    read yet), and its storages in file order, each with the offset of its bytes in the file,
+    read off the mapping (/proc/self/maps). Storages shared by several tensors count once."""
+    loaded = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    storages: dict[int, torch.UntypedStorage] = {}
+    map_tensors(lambda t: storages.setdefault(t.untyped_storage().data_ptr(),
+                                              t.untyped_storage()), loaded)
+    stored = []
+    real = os.path.realpath(path)
+    mappings = _mappings(real)
+    for pointer, storage in storages.items():
+        if storage.nbytes() == 0:
+            stored.append(_Stored(0, 0, storage))
+            continue
+        start, _, file_offset, mapped_path = _mapping_of(pointer, mappings)
+        if os.path.realpath(mapped_path) != real:
+            raise ValueError(f"a tensor of {path} is not mapped from it ({mapped_path})")
+        stored.append(_Stored(pointer - start + file_offset, storage.nbytes(), storage))
+    return loaded, sorted(stored, key=lambda s: s.offset)
+
+
+class CheckpointLoader:
+    """Load a ``torch.save`` checkpoint onto ``device`` through a ring of reused (pinned) host
+    buffers, each filled from the file while the ones before it cross the link.
+
+    ``torch.load(mmap=True)`` gives the index: every tensor's dtype, shape and storage, and
+    where its bytes lie in the file, without reading them. The file's data, from its first
+    storage to the end of its last, is then read in ``chunk_bytes`` pieces, piece k into buffer
+    k % ``slots``, and each storage's part of a piece is copied to its place on the device with
+    ``non_blocking=True``. Before a buffer is filled again, its reader waits on the event
+    recorded after the copies out of it; the next pieces are read while a piece's copies run.
+    Two ways to read a piece (``read``):
+
+    - ``"pread"``: ``os.preadv`` of the whole piece, by a pool of ``threads`` threads (each a
+      system call that copies from the page cache, or waits for the disk, in the kernel);
+    - ``"mmap"``: ``copy_`` from the mapped storages into the buffer, on the calling thread
+      (page faults map the file's pages in; PyTorch's intra-op pool does the copy).
+
+    ``load`` returns what ``torch.load`` would, with tensors on ``device`` (storages shared in
+    the file are shared there too; a ``Parameter`` comes back as a plain tensor); the copies
+    are queued on the current stream. ``read`` does the reading alone, for the host's side of
+    the ceiling. Buffers are pinned where ``device`` is CUDA (``pin``), and kept between calls.
+    """
+
+    READS = ("pread", "mmap")
+
+    def __init__(self, device: torch.device | str, *, read: str = "pread",
+                 threads: int | None = None, chunk_bytes: int = 8 * 2**20,
+                 slots: int | None = None, pin: bool | None = None):
+        if read not in self.READS:
+            raise ValueError(f"read must be one of {self.READS}")
+        self.device = torch.device(device)
+        self.read_mode = read
+        self.threads = (threads or usable_cpus()) if read == "pread" else 1
+        self.chunk_bytes = chunk_bytes
+        self.slots = slots or 2 * self.threads
+        cuda = self.device.type == "cuda"
+        self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8,
+                                    pin_memory=cuda if pin is None else pin)
+                        for _ in range(self.slots)]
+        self._fences: list = [None] * self.slots  # event after the last copies out of each
+        self._pool = None
+        if read == "pread":
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="checkpoint-read")
+
+    def _pieces(self, stored: list[_Stored]):
+        """Per chunk of the data range: (file offset, length, [(storage index, offset in the
+        chunk, offset in the storage, bytes)])."""
+        present = [(i, s) for i, s in enumerate(stored) if s.nbytes]
+        if not present:
+            return []
+        low = present[0][1].offset
+        high = max(s.offset + s.nbytes for _, s in present)
+        chunks, first = [], 0
+        for begin in range(low, high, self.chunk_bytes):
+            end = min(begin + self.chunk_bytes, high)
+            parts = []
+            while first < len(present) and present[first][1].offset + present[first][1].nbytes \
+                    <= begin:
+                first += 1
+            for index, s in present[first:]:
+                if s.offset >= end:
+                    break
+                a, b = max(begin, s.offset), min(end, s.offset + s.nbytes)
+                if b > a:
+                    parts.append((index, a - begin, a - s.offset, b - a))
+            chunks.append((begin, end - begin, parts))
+        return chunks
+
+    def _fill(self, slot: int, fence, fd: int | None, chunk, stored) -> None:
+        """Read one chunk into buffer ``slot``, once the copies that last read it are done."""
+        if fence is not None:
+            fence.synchronize()
+        begin, length, parts = chunk
+        buffer = self.buffers[slot]
+        if fd is None:  # through the mapping
+            for index, at, offset, nbytes in parts:
+                source = torch.empty(0, dtype=torch.uint8).set_(stored[index].mapped)
+                buffer[at:at + nbytes].copy_(source[offset:offset + nbytes])
+            return
+        window = (ctypes.c_char * length).from_address(buffer.data_ptr())
+        view, done = memoryview(window).cast("B"), 0
+        while done < length:
+            got = os.preadv(fd, [view[done:]], begin + done)
+            if got == 0:
+                raise EOFError(f"the file ended {length - done} bytes before its last tensor")
+            done += got
+
+    def _record(self):
+        """An event after the copies queued so far (None off CUDA, where they are done)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(blocking=True)  # a reader waiting on it sleeps, not spins
+        event.record()
+        return event
+
+    def _stream(self, path, stored, destinations) -> int:
+        """Read every chunk, copying each one's parts to ``destinations`` (None: read only).
+        Returns the bytes read."""
+        chunks = self._pieces(stored)
+        fd = os.open(path, os.O_RDONLY) if self.read_mode == "pread" else None
+        pending: dict[int, object] = {}
+
+        def start(k):
+            slot = k % self.slots
+            fence, self._fences[slot] = self._fences[slot], None
+            if self._pool is None:
+                self._fill(slot, fence, fd, chunks[k], stored)
+                return None
+            return self._pool.submit(self._fill, slot, fence, fd, chunks[k], stored)
+
+        # Chunks read ahead of the one being copied: with the pool, all buffers but the one just
+        # handed to the link, so that a reader rarely waits for its buffer's copies; on the
+        # calling thread, one, read after the copies of the one before are queued, so the two
+        # overlap.
+        ahead = max(1, self.slots - 1) if self._pool is not None else 1
+        try:
+            for k in range(min(ahead, len(chunks))):
+                pending[k] = start(k)
+            for k, (_, _, parts) in enumerate(chunks):
+                if pending[k] is not None:
+                    pending[k].result()
+                del pending[k]
+                buffer = self.buffers[k % self.slots]
+                if destinations is not None:
+                    for index, at, offset, nbytes in parts:
+                        destinations[index][offset:offset + nbytes].copy_(
+                            buffer[at:at + nbytes], non_blocking=True)
+                    self._fences[k % self.slots] = self._record()
+                if k + ahead < len(chunks):
+                    pending[k + ahead] = start(k + ahead)
+        finally:
+            for future in pending.values():  # after an error: let the readers finish first
+                if future is not None:
+                    future.exception()
+            if fd is not None:
+                os.close(fd)
+        return sum(length for _, length, _ in chunks)
+
+    def read(self, path: str | os.PathLike) -> int:
+        """Read the checkpoint's data through the buffers, copying nothing to the device: the
+        host's side of a load, alone. Returns the bytes read."""
+        _, stored = checkpoint_index(path)
+        return self._stream(path, stored, None)
+
+    def load(self, path: str | os.PathLike):
+        loaded, stored = checkpoint_index(path)
+        destinations = [torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
+                        for s in stored]
+        self._stream(path, stored, destinations)
+        where = {s.mapped.data_ptr(): d.untyped_storage()
+                 for s, d in zip(stored, destinations, strict=True)}
+
+        def place(tensor):
+            storage = where[tensor.untyped_storage().data_ptr()]
+            return torch.empty(0, dtype=tensor.dtype, device=self.device).set_(
+                storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+        return map_tensors(place, loaded)
+
+    def close(self) -> None:
+        """Stop the reading threads (the buffers go when the loader does)."""
+        if self._pool is not None:
+            self._pool.shutdown()

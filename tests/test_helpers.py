@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import os
 import time
 
 import pytest
@@ -1313,3 +1314,262 @@ def test_offload_hooks_on_the_gpu_match_and_use_less_memory():
         assert torch.allclose(grad, reference, rtol=1e-5, atol=1e-7)
     assert peaks[2] < 0.6 * peaks[0], peaks
     assert hooks.pool.allocations == 13  # x, and per layer its GELU's input and its output
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def _disk_backed(path) -> bool:
+    return helpers.file_system(path) not in helpers.MEMORY_FILE_SYSTEMS
+
+
+def _write(path, nbytes, seed=0):
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed))
+    with open(path, "wb") as f:
+        f.write(data.numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    return data
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        while f.read(2**20):
+            pass
+
+
+def test_file_system_names_the_mount_that_holds_a_path(tmp_path):
+    assert helpers.file_system("/proc") == "proc"
+    assert helpers.file_system("/proc/self/status") == "proc"  # the longest mount point wins
+    assert helpers.file_system(tmp_path) not in ("unknown", "proc")
+
+
+def test_the_page_cache_drops_a_file_whole_or_in_part(tmp_path):
+    path = tmp_path / "data.bin"
+    _write(path, 8 * 2**20)
+    if not _disk_backed(path):
+        pytest.skip(f"{helpers.file_system(path)} keeps its files in memory: nothing to evict")
+    _read(path)
+    assert helpers.page_cache_share(path) > 0.99
+    assert helpers.evict_from_page_cache(path) < 0.05
+    _read(path)
+    half = helpers.evict_from_page_cache(path, 4 * 2**20, 4 * 2**20)  # the second half only
+    assert 0.45 < half < 0.55
+
+
+def test_an_in_memory_file_system_keeps_its_pages_and_the_eviction_says_so():
+    shm = "/dev/shm"
+    if not os.path.isdir(shm) or helpers.file_system(shm) != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(dir=shm) as f:
+        f.write(b"x" * 2**20)
+        f.flush()
+        assert helpers.evict_from_page_cache(f.name) > 0.95
+
+
+def test_io_probe_counts_first_touch_faults_and_what_comes_from_the_disk(tmp_path):
+    fresh = helpers.io_probe(lambda: torch.ones(16 * 2**20, dtype=torch.uint8))
+    assert fresh.minor_faults >= 8 and fresh.major_faults == 0  # a page per 2 MiB at least
+    assert fresh.result.sum().item() == 16 * 2**20 and "page faults" in str(fresh)
+    path = tmp_path / "data.bin"
+    _write(path, 8 * 2**20)
+    if helpers._disk_read_bytes() is None or not _disk_backed(path):
+        pytest.skip("this kernel does not count disk reads, or the file is in memory")
+    helpers.evict_from_page_cache(path)
+    cold = helpers.io_probe(lambda: _read(path))
+    warm = helpers.io_probe(lambda: _read(path))
+    assert cold.disk_bytes >= 0.9 * 8 * 2**20
+    assert warm.disk_bytes < 2**20
+
+
+def test_interleaved_runs_take_the_functions_in_turn_and_check_every_result():
+    log = []
+
+    def make(name):
+        def fn():
+            log.append(name)
+            return name
+        return fn
+
+    runs = helpers.interleaved_runs({"a": make("a"), "b": make("b")}, rounds=2, warmup=1,
+                                    before=lambda: log.append("before"),
+                                    check=lambda name, result: result == "a")
+    assert log == ["before", "a", "before", "b"] * 3
+    assert [len(r.probes) for r in runs.values()] == [2, 2]
+    assert runs["a"].ok is True and runs["b"].ok is False
+    assert all(p.result is None for r in runs.values() for p in r.probes)
+    assert len(runs["a"].timing.samples_ms) == 2 and runs["a"].median("major_faults") == 0
+    unchecked = helpers.interleaved_runs({"a": make("a")}, rounds=1, warmup=0)
+    assert unchecked["a"].ok is None
+
+
+def test_host_memory_peak_sees_a_block_that_came_and_went():
+    with helpers.HostMemoryPeak() as quiet:
+        pass
+    with helpers.HostMemoryPeak() as peak:
+        block = torch.ones(64 * 2**20, dtype=torch.uint8)
+        time.sleep(0.02)  # several samples
+        del block
+    assert peak.anonymous_mib >= 56 and quiet.anonymous_mib < 16
+    if peak.resident_mib is not None:
+        assert peak.resident_mib >= 56 and quiet.resident_mib < 16
+
+
+def _checkpoint(path):
+    """A nested checkpoint with what a loader can get wrong: a storage shared by two tensors,
+    views at an offset and transposed, an empty tensor, several dtypes, things that are not
+    tensors."""
+    import collections
+
+    torch.manual_seed(0)
+    base = torch.arange(1000, dtype=torch.float32)
+    saved = {"model": collections.OrderedDict(w=torch.randn(300, 7), tied=base,
+                                              view=base[100:350], t=torch.randn(40, 30).t()),
+             "small": [torch.arange(7, dtype=torch.int16), torch.ones(3, dtype=torch.bfloat16)],
+             "empty": torch.empty(0, 5), "step": 12, "name": "net"}
+    torch.save(saved, path)
+    return torch.load(path, weights_only=True)
+
+
+def _same(loaded, reference):
+    if isinstance(reference, torch.Tensor):
+        return (isinstance(loaded, torch.Tensor) and loaded.dtype == reference.dtype
+                and loaded.shape == reference.shape and loaded.stride() == reference.stride()
+                and torch.equal(loaded.cpu(), reference))
+    if isinstance(reference, dict):
+        return type(loaded) is type(reference) and loaded.keys() == reference.keys() and all(
+            _same(loaded[k], reference[k]) for k in reference)
+    if isinstance(reference, list):
+        return len(loaded) == len(reference) and all(map(_same, loaded, reference))
+    return loaded == reference
+
+
+def test_checkpoint_index_points_at_each_storage_in_the_file(tmp_path):
+    path = tmp_path / "c.pt"
+    _checkpoint(path)
+    loaded, stored = helpers.checkpoint_index(path)
+    data = path.read_bytes()
+    present = [s for s in stored if s.nbytes]
+    assert len(present) == 5  # the shared storage counts once; the empty one has no bytes
+    assert [s.offset for s in present] == sorted(s.offset for s in present)
+    for s in present:
+        mapped = torch.empty(0, dtype=torch.uint8).set_(s.mapped)
+        assert data[s.offset:s.offset + s.nbytes] == mapped.numpy().tobytes()
+    assert loaded["step"] == 12
+
+
+@pytest.mark.parametrize("read", helpers.CheckpointLoader.READS)
+@pytest.mark.parametrize("chunk_bytes, slots, threads", [(64, 2, 3), (1000, 1, 1), (2**20, 4, 2)])
+def test_checkpoint_loader_gives_what_torch_load_gives(tmp_path, read, chunk_bytes, slots,
+                                                       threads):
+    path = tmp_path / "c.pt"
+    reference = _checkpoint(path)
+    loader = helpers.CheckpointLoader("cpu", read=read, chunk_bytes=chunk_bytes, slots=slots,
+                                      threads=threads)
+    try:
+        for _ in range(2):  # the buffers are reused by the second load
+            loaded = loader.load(path)
+            assert _same(loaded, reference)
+            model = loaded["model"]
+            assert model["view"].untyped_storage().data_ptr() == \
+                model["tied"].untyped_storage().data_ptr()  # still one storage
+            assert model["view"].storage_offset() == 100
+    finally:
+        loader.close()
+
+
+def test_checkpoint_loader_reads_the_data_once_in_pieces(tmp_path):
+    path = tmp_path / "c.pt"
+    _checkpoint(path)
+    _, stored = helpers.checkpoint_index(path)
+    present = [s for s in stored if s.nbytes]
+    span = max(s.offset + s.nbytes for s in present) - present[0].offset
+    loader = helpers.CheckpointLoader("cpu", chunk_bytes=512, threads=2)
+    chunks = loader._pieces(stored)
+    assert all(length <= 512 for _, length, _ in chunks)
+    assert sum(n for _, _, parts in chunks for *_, n in parts) == sum(s.nbytes for s in present)
+    assert loader.read(path) == span < os.path.getsize(path)
+    loader.close()
+
+
+class _Fence:
+    """Stands in for a CUDA event: notes when it is recorded and waited on."""
+
+    def __init__(self, log, number):
+        self.log, self.number = log, number
+        log.append(("record", number))
+
+    def synchronize(self):
+        self.log.append(("wait", self.number))
+
+
+@pytest.mark.parametrize("read", helpers.CheckpointLoader.READS)
+def test_checkpoint_loader_refills_a_buffer_only_after_its_copies(tmp_path, monkeypatch, read):
+    path = tmp_path / "c.pt"
+    reference = _checkpoint(path)
+    log = []
+    # one reading thread: the fills are logged in the order of the chunks
+    loader = helpers.CheckpointLoader("cpu", read=read, chunk_bytes=256, slots=3, threads=1)
+    fences = itertools.count()
+    monkeypatch.setattr(loader, "_record", lambda: _Fence(log, next(fences)))
+    fill = loader._fill
+
+    def filling(slot, fence, fd, chunk, stored):
+        fill(slot, fence, fd, chunk, stored)
+        log.append(("filled", chunk[0], slot, None if fence is None else fence.number))
+
+    monkeypatch.setattr(loader, "_fill", filling)
+    try:
+        for _ in range(2):
+            assert _same(loader.load(path), reference)
+    finally:
+        loader.close()
+    chunks = [begin for begin, _, _ in loader._pieces(helpers.checkpoint_index(path)[1])]
+    assert len(chunks) > 2 * loader.slots
+    fills = [entry for entry in log if entry[0] == "filled"]
+    assert [begin for _, begin, _, _ in fills] == chunks * 2
+    last = dict.fromkeys(range(loader.slots))  # the fence of each buffer's last copies
+    for number, (_, _, slot, fence) in enumerate(fills):  # chunk `number` records fence `number`
+        assert slot == number % len(chunks) % loader.slots and fence == last[slot]
+        if fence is not None:  # it waited for that buffer's copies, recorded before, then read
+            assert log.index(("record", fence)) < log.index(("wait", fence)) \
+                < log.index(("filled", chunks[number % len(chunks)], slot, fence))
+        last[slot] = number
+    if read == "mmap":  # read on the calling thread: a piece only once the copies before it run
+        for number in range(1, len(chunks)):
+            assert log.index(("record", number - 1)) < log.index(fills[number])
+
+
+@needs_cuda
+@pytest.mark.parametrize("read", helpers.CheckpointLoader.READS)
+def test_checkpoint_loader_on_the_gpu_matches_and_reuses_pinned_buffers(tmp_path, read):
+    path = tmp_path / "c.pt"
+    torch.manual_seed(0)
+    saved = {f"w{i}": torch.randn(2**18 + 7 * i) for i in range(24)}  # 1 MiB each, about
+    torch.save(saved, path)
+    loader = helpers.CheckpointLoader("cuda", read=read, chunk_bytes=2**20, threads=2)
+    assert all(b.is_pinned() for b in loader.buffers)
+    pointers = [b.data_ptr() for b in loader.buffers]
+    try:
+        first = loader.load(path)
+        second = loader.load(path)  # no sync between: its reads wait for the first's copies
+        torch.cuda.synchronize()
+    finally:
+        loader.close()
+    for loaded in (first, second):
+        assert all(loaded[k].is_cuda and torch.equal(loaded[k].cpu(), saved[k]) for k in saved)
+    assert [b.data_ptr() for b in loader.buffers] == pointers
+
+
+def test_evictable_directory_skips_a_directory_that_keeps_its_pages(tmp_path):
+    shm = "/dev/shm"
+    if not _disk_backed(tmp_path):
+        pytest.skip(f"{helpers.file_system(tmp_path)} keeps its files in memory")
+    assert helpers.evictable_directory([tmp_path / "missing", tmp_path]) == str(tmp_path)
+    if os.path.isdir(shm) and helpers.file_system(shm) == "tmpfs":
+        assert helpers.evictable_directory([shm, tmp_path]) == str(tmp_path)
+        assert helpers.evictable_directory([shm]) == shm  # none takes: the first
+    assert not any(p.name.startswith("evict-probe-") for p in tmp_path.iterdir())
