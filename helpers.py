@@ -2249,6 +2249,10 @@ class HostMemoryPeak:
         try:
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
             self._resident_start = _status_kib("VmRSS")
+            peak = _status_kib("VmHWM")
+            if self._resident_start is None or peak is None \
+                    or peak - self._resident_start > 16 * 1024:
+                self._resident_start = None  # the write was taken, the peak was not reset
         except OSError:
             self._resident_start = None
         self._anonymous_start = _status_kib("RssAnon") or 0
@@ -2346,8 +2350,9 @@ class CheckpointLoader:
 
     ``load`` returns what ``torch.load`` would, with tensors on ``device`` (storages shared in
     the file are shared there too; a ``Parameter`` comes back as a plain tensor); the copies
-    are queued on the current stream. ``read`` does the reading alone, for the host's side of
-    the ceiling. Buffers are pinned where ``device`` is CUDA (``pin``), and kept between calls.
+    are queued on the current stream of ``device``, so work queued after on that stream sees
+    them done. ``read`` does the reading alone, for the host's side of the ceiling. Buffers are
+    pinned where ``device`` is CUDA (``pin``), and kept between calls.
     """
 
     READS = ("pread", "mmap")
@@ -2421,7 +2426,7 @@ class CheckpointLoader:
         if self.device.type != "cuda":
             return None
         event = torch.cuda.Event(blocking=True)  # a reader waiting on it sleeps, not spins
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the stream the copies went on
         return event
 
     def _stream(self, path, stored, destinations) -> int:
