@@ -2472,10 +2472,17 @@ class CheckpointLoader:
                 os.close(fd)
         return sum(length for _, length, _ in chunks)
 
-    def read(self, path: str | os.PathLike) -> int:
+    def read(self, path: str | os.PathLike, alongside: Callable[[], object] | None = None) -> int:
         """Read the checkpoint's data through the buffers, copying nothing to the device: the
-        host's side of a load, alone. Returns the bytes read."""
+        host's side of a load. Returns the bytes read.
+
+        ``alongside`` is called once the index is read, before the data is: it can queue work
+        that runs beside the read and competes with it (copies over the link, which read the
+        host's memory too), to time both trips together.
+        """
         _, stored = checkpoint_index(path)
+        if alongside is not None:
+            alongside()
         return self._stream(path, stored, None)
 
     def load(self, path: str | os.PathLike):

@@ -1504,6 +1504,24 @@ def test_checkpoint_loader_reads_the_data_once_in_pieces(tmp_path):
     loader.close()
 
 
+def test_checkpoint_loader_read_calls_alongside_after_the_index_before_the_data(tmp_path,
+                                                                               monkeypatch):
+    path = tmp_path / "c.pt"
+    _checkpoint(path)
+    loader = helpers.CheckpointLoader("cpu", read="mmap")
+    order = []
+    index = helpers.checkpoint_index
+    monkeypatch.setattr(helpers, "checkpoint_index",
+                        lambda p: order.append("index") or index(p))
+    stream = loader._stream
+    monkeypatch.setattr(loader, "_stream", lambda *a: order.append("data") or stream(*a))
+    loader.read(path, alongside=lambda: order.append("alongside"))
+    assert order == ["index", "alongside", "data"]
+    loader.read(path)
+    assert order[3:] == ["index", "data"]
+    loader.close()
+
+
 class _Fence:
     """Stands in for a CUDA event: notes when it is recorded and waited on."""
 
