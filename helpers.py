@@ -2344,7 +2344,8 @@ class CheckpointLoader:
     Two ways to read a piece (``read``):
 
     - ``"pread"``: ``os.preadv`` of the whole piece, by a pool of ``threads`` threads (each a
-      system call that copies from the page cache, or waits for the disk, in the kernel);
+      system call that copies from the page cache, or waits for the disk, in the kernel; by
+      default one per usable CPU, at most ``MAX_THREADS``);
     - ``"mmap"``: ``copy_`` from the mapped storages into the buffer, on the calling thread
       (page faults map the file's pages in; PyTorch's intra-op pool does the copy).
 
@@ -2356,6 +2357,9 @@ class CheckpointLoader:
     """
 
     READS = ("pread", "mmap")
+    # More readers can still read faster alone, but not load faster: the thread that queues the
+    # copies waits for a CPU and the GIL among them (notebook 12's sweep of thread counts)
+    MAX_THREADS = 8
 
     def __init__(self, device: torch.device | str, *, read: str = "pread",
                  threads: int | None = None, chunk_bytes: int = 8 * 2**20,
@@ -2364,7 +2368,7 @@ class CheckpointLoader:
             raise ValueError(f"read must be one of {self.READS}")
         self.device = torch.device(device)
         self.read_mode = read
-        self.threads = (threads or usable_cpus()) if read == "pread" else 1
+        self.threads = (threads or min(usable_cpus(), self.MAX_THREADS)) if read == "pread" else 1
         self.chunk_bytes = chunk_bytes
         self.slots = slots or 2 * self.threads
         cuda = self.device.type == "cuda"

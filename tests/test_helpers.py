@@ -1504,6 +1504,18 @@ def test_checkpoint_loader_reads_the_data_once_in_pieces(tmp_path):
     loader.close()
 
 
+def test_checkpoint_loader_reads_with_one_thread_per_cpu_up_to_its_cap(monkeypatch):
+    for cpus, expected in ((2, 2), (8, 8), (16, helpers.CheckpointLoader.MAX_THREADS)):
+        monkeypatch.setattr(helpers, "usable_cpus", lambda cpus=cpus: cpus)
+        loader = helpers.CheckpointLoader("cpu", chunk_bytes=256)
+        assert (loader.threads, loader.slots) == (expected, 2 * expected)
+        loader.close()
+    chosen = helpers.CheckpointLoader("cpu", chunk_bytes=256, threads=16)
+    assert chosen.threads == 16
+    chosen.close()
+    assert helpers.CheckpointLoader("cpu", read="mmap", chunk_bytes=256).threads == 1
+
+
 def test_checkpoint_loader_read_calls_alongside_after_the_index_before_the_data(tmp_path,
                                                                                monkeypatch):
     path = tmp_path / "c.pt"
