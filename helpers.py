@@ -2360,6 +2360,7 @@ class CheckpointLoader:
     # More readers can still read faster alone, but not load faster: the thread that queues the
     # copies waits for a CPU and the GIL among them (notebook 12's sweep of thread counts)
     MAX_THREADS = 8
+    MIN_SLOTS = 16
 
     def __init__(self, device: torch.device | str, *, read: str = "pread",
                  threads: int | None = None, chunk_bytes: int = 8 * 2**20,
@@ -2370,7 +2371,9 @@ class CheckpointLoader:
         self.read_mode = read
         self.threads = (threads or min(usable_cpus(), self.MAX_THREADS)) if read == "pread" else 1
         self.chunk_bytes = chunk_bytes
-        self.slots = slots or 2 * self.threads
+        # Readers run ahead by all buffers but one: at least 16 of them, so that on a host
+        # whose CPUs all read, a late turn for the thread queuing the copies stalls no reader
+        self.slots = slots or (max(2 * self.threads, self.MIN_SLOTS) if read == "pread" else 2)
         cuda = self.device.type == "cuda"
         self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8,
                                     pin_memory=cuda if pin is None else pin)

@@ -1508,12 +1508,14 @@ def test_checkpoint_loader_reads_with_one_thread_per_cpu_up_to_its_cap(monkeypat
     for cpus, expected in ((2, 2), (8, 8), (16, helpers.CheckpointLoader.MAX_THREADS)):
         monkeypatch.setattr(helpers, "usable_cpus", lambda cpus=cpus: cpus)
         loader = helpers.CheckpointLoader("cpu", chunk_bytes=256)
-        assert (loader.threads, loader.slots) == (expected, 2 * expected)
+        assert (loader.threads, loader.slots) == (
+            expected, max(2 * expected, helpers.CheckpointLoader.MIN_SLOTS))
         loader.close()
     chosen = helpers.CheckpointLoader("cpu", chunk_bytes=256, threads=16)
     assert chosen.threads == 16
     chosen.close()
-    assert helpers.CheckpointLoader("cpu", read="mmap", chunk_bytes=256).threads == 1
+    one = helpers.CheckpointLoader("cpu", read="mmap", chunk_bytes=256)
+    assert (one.threads, one.slots) == (1, 2)
 
 
 def test_checkpoint_loader_read_calls_alongside_after_the_index_before_the_data(tmp_path,
