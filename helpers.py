@@ -4,13 +4,15 @@ Every notebook imports this module (its setup cell puts the repository root on `
 or on Colab downloads this one file). Sections:
 
 1. Colab set-up      install what Colab lacks without ever touching its torch
-2. Environment       what machine the numbers come from; a guard for notebooks that need CUDA
+2. Environment       what machine the numbers come from; a guard for notebooks that need CUDA;
+                     how two GPUs of one host reach each other (NVLink, PCIe, peer access)
 3. Timing            host clock, CUDA events, torch.utils.benchmark; bandwidth; sync probes
 4. Host memory       page faults, the pinned pool of PyTorch's caching host allocator,
                      host memcpy rate; loader workers and the memory of a process tree
 5. Profiling         device activity as lanes, overlap fraction, timeline picture
 6. Figures           one style, deterministic PNGs in ``figures/``
-7. Results, claims   measurements recorded in output metadata; claims checked as they run
+7. Results, claims   measurements recorded in output metadata; claims checked as they run,
+                     or shown as not tested on a host they do not fit (claim_where)
 8. Batches           nested batches moved to a device; a side-stream prefetcher; activations
                      offloaded to pinned host memory on side streams (OffloadHooks)
 9. Check-up          time and profile a training step; name what it spends on moving data
@@ -28,6 +30,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -225,6 +228,194 @@ def environment_report(index: int = 0) -> dict:
     env = environment(index)
     print(format_environment(env))
     return env
+
+
+# Two GPUs on one host: how they reach each other and the host (notebook 10).
+
+
+def tool_output(*command: str, timeout: float = 30) -> str | None:
+    """What a command-line tool prints, or None if it is missing or fails."""
+    if shutil.which(command[0]) is None:
+        return None
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def pci_address(index: int) -> str | None:
+    """A CUDA device's PCI address as Linux writes it ("0000:18:00.0"), or None if unknown."""
+    props = torch.cuda.get_device_properties(index)
+    if not hasattr(props, "pci_bus_id"):
+        return None
+    return f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+
+
+def gpu_numa_node(index: int) -> int | None:
+    """The NUMA node a CUDA device hangs off (-1: the firmware does not say), or None."""
+    try:
+        return int(Path(f"/sys/bus/pci/devices/{pci_address(index)}/numa_node").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def numa_nodes(root: Path = Path("/sys/devices/system/node")) -> dict[int, str]:
+    """The CPUs of each NUMA node of this host (Linux), e.g. {0: "0-31"}; {} if unknown."""
+    nodes = sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:]))
+    return {int(p.name[4:]): (p / "cpulist").read_text().strip() for p in nodes}
+
+
+def in_virtual_machine(cpuinfo: str | None = None) -> bool:
+    """Whether this runs under a hypervisor (the CPU's "hypervisor" flag, /proc/cpuinfo): a
+    virtual machine shows its own PCIe tree, which can hide that two GPUs share a switch."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = (line.partition(":")[2].split() for line in cpuinfo.splitlines()
+             if line.split(":")[0].strip() in ("flags", "Features"))
+    return any("hypervisor" in line for line in flags)
+
+
+#: The PCIe path between two GPUs in nvidia-smi's words (``nvidia-smi topo -m``), shortest first;
+#: NVML's common-ancestor levels (``_NVML_ANCESTOR``) map onto the same names.
+PCIE_PATHS = {"board": "one board", "PIX": "one PCIe switch",
+              "PXB": "several PCIe switches, not the CPU", "PHB": "the CPU's PCIe host bridge",
+              "NODE": "two host bridges of one NUMA node", "SYS": "the link between NUMA nodes"}
+_NVML_ANCESTOR = {0: "board", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+_SWITCHED, _THROUGH_CPU = ("board", "PIX", "PXB"), ("PHB", "NODE", "SYS")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass(frozen=True)
+class GpuLink:
+    """How two GPUs of one host reach each other, as the driver reports it."""
+
+    peer_access: bool  # each can read and write the other's memory (torch asks the driver)
+    nvlink: bool | None  # joined by NVLink (None: nobody could tell)
+    nvlink_links: int | None  # active NVLink links, where known
+    pcie_path: str | None  # a key of PCIE_PATHS (where their PCIe paths meet), None: unknown
+    source: str  # where the facts come from: "NVML", "nvidia-smi topo -m" or "nothing"
+
+    @property
+    def kind(self) -> str:
+        """"nvlink"; "pcie_switch" (PCIe, through a switch, not the CPU); "pcie_cpu" (PCIe,
+        through the CPU's host bridge or further); or "unknown"."""
+        if self.nvlink:
+            return "nvlink"
+        if self.pcie_path in _SWITCHED:
+            return "pcie_switch"
+        if self.pcie_path in _THROUGH_CPU:
+            return "pcie_cpu"
+        return "unknown"
+
+    @property
+    def shares_pcie_switch(self) -> bool:
+        """Both GPUs sit behind one PCIe switch, so they share its one link to the host."""
+        return self.pcie_path in _SWITCHED
+
+    @property
+    def separate_host_links(self) -> bool:
+        """Their PCIe paths meet only at the CPU: each GPU has its own link to the host."""
+        return self.pcie_path in _THROUGH_CPU
+
+    def __str__(self) -> str:
+        links = "" if self.nvlink_links is None else f" ({self.nvlink_links} links)"
+        direct = {True: f"NVLink{links}", False: "no NVLink", None: "NVLink unknown"}
+        return (f"GPU to GPU: {direct[self.nvlink]}; their PCIe paths meet at "
+                f"{PCIE_PATHS.get(self.pcie_path, 'an unreported place')}; peer access: "
+                f"{'yes' if self.peer_access else 'no'} (from {self.source})")
+
+
+def parse_topology_matrix(text: str) -> dict[tuple[int, int], str]:
+    """The GPU-to-GPU cells of ``nvidia-smi topo -m`` ("NV18", "PIX", "SYS", ...) by (row GPU,
+    column GPU), in nvidia-smi's numbering; {} if ``text`` holds no matrix."""
+    lines = [_ANSI.sub("", line) for line in text.splitlines()]
+    start = next((i for i, line in enumerate(lines) if re.match(r"\s+GPU0\b", line)), None)
+    if start is None:  # the header row starts with the empty corner cell
+        return {}
+    columns = [int(name[3:]) for name in re.findall(r"\bGPU\d+\b", lines[start])]
+    cells = {}
+    for line in lines[start + 1:]:
+        fields = line.split()
+        if not fields or not re.fullmatch(r"GPU\d+", fields[0]):
+            continue
+        row = int(fields[0][3:])  # the GPU columns come first, before NICs and affinities
+        for column, cell in zip(columns, fields[1:1 + len(columns)], strict=False):
+            if cell != "X":
+                cells[(row, column)] = cell
+    return cells
+
+
+def link_from_matrix_cell(cell: str, peer_access: bool) -> GpuLink:
+    """A ``GpuLink`` from one cell of ``nvidia-smi topo -m``: "NV#" (NVLink, # links), where the
+    matrix does not say the PCIe path, or a PCIe path."""
+    if re.fullmatch(r"NV\d+", cell):
+        return GpuLink(peer_access, True, int(cell[2:]), None, "nvidia-smi topo -m")
+    path = {"SOC": "SYS"}.get(cell, cell)  # older drivers wrote SOC for SYS
+    if path not in PCIE_PATHS:  # a word this code does not know: nothing can be told
+        return GpuLink(peer_access, None, None, None, "nvidia-smi topo -m")
+    return GpuLink(peer_access, False, None, path, "nvidia-smi topo -m")
+
+
+def _nvml_link(a: int, b: int, peer_access: bool) -> GpuLink | None:
+    """The link between CUDA devices ``a`` and ``b`` from NVML (package nvidia-ml-py), found by
+    their PCI addresses (NVML may number GPUs differently); None if NVML cannot tell."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no package, no driver library, or no NVML support
+        return None
+    try:
+        handles = [pynvml.nvmlDeviceGetHandleByPciBusId(pci_address(i)) if pci_address(i)
+                   else pynvml.nvmlDeviceGetHandleByIndex(i) for i in (a, b)]
+        try:
+            nvlink = pynvml.nvmlDeviceGetP2PStatus(
+                *handles, pynvml.NVML_P2P_CAPS_INDEX_NVLINK) == pynvml.NVML_P2P_STATUS_OK
+        except pynvml.NVMLError:
+            nvlink = None
+        links = None
+        if nvlink:
+            links = 0
+            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+                try:
+                    links += pynvml.nvmlDeviceGetNvLinkState(handles[0], link) == 1
+                except pynvml.NVMLError:  # no such link
+                    continue
+        try:
+            path = _NVML_ANCESTOR.get(pynvml.nvmlDeviceGetTopologyCommonAncestor(*handles))
+        except pynvml.NVMLError:
+            path = None
+        return GpuLink(peer_access, nvlink, links or None, path, "NVML")
+    except pynvml.NVMLError:
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+
+def gpu_link(a: int = 0, b: int = 1) -> GpuLink:
+    """How CUDA devices ``a`` and ``b`` are connected: from NVML if it can tell, else from
+    ``nvidia-smi topo -m``; peer access from torch (the driver) either way."""
+    peer = bool(torch.cuda.can_device_access_peer(a, b) and torch.cuda.can_device_access_peer(b, a))
+    link = _nvml_link(a, b, peer)
+    if link is not None:
+        return link
+    smi_index = {}  # nvidia-smi numbers GPUs by PCI address; CUDA may number them otherwise
+    listing = tool_output("nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader")
+    for line in (listing or "").splitlines():
+        index, _, bus = (field.strip() for field in line.partition(","))
+        if index.isdigit():
+            smi_index[bus.lower()[-12:]] = int(index)
+    rows = [smi_index.get(pci_address(i) or "", i) for i in (a, b)]
+    cell = parse_topology_matrix(tool_output("nvidia-smi", "topo", "-m") or "").get(tuple(rows))
+    return link_from_matrix_cell(cell, peer) if cell else GpuLink(peer, None, None, None,
+                                                                   "nothing")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1094,6 +1285,31 @@ def claim(statement: str, lhs: str, op: str, rhs: str | float, *, factor: float 
                           f"{MEASUREMENTS[lhs]['value']:.4g}, {op} {factor:g} x {rhs_value:.4g}"
                           " is false")
     _emit(f"claim holds: {statement}", {"claim": entry})
+
+
+#: How a claim that does not apply on this host starts its line. nbval's sanitizer
+#: (tests/sanitize.cfg) maps it and "claim holds" to the same word, so that a checked cell prints
+#: the same text on a host where the claim applies and on one where it does not.
+NOT_TESTED = "claim not tested here"
+
+
+def claim_where(statement: str, lhs: str, op: str, rhs: str | float, *, applies: bool,
+                reason: str, factor: float = 1.0) -> None:
+    """A claim that holds only on some hosts (NVLink, peer access, its own link to the host):
+    checked like :func:`claim` where ``applies``, a failure stopping the notebook; elsewhere
+    shown as not tested, with ``reason``, and not evaluated. The notebook needs no branch, and
+    the reader sees which case this host is. ``reason`` (why it would not apply) is one line.
+    """
+    if op not in OPERATORS:
+        raise ValueError(f"op must be one of {sorted(OPERATORS)}")
+    if not reason or "): " in reason or "\n" in reason:
+        raise ValueError("a host-dependent claim needs a one-line reason without '): '")
+    if applies:
+        claim(statement, lhs, op, rhs, factor=factor)
+        return
+    entry = {"statement": statement, "lhs": lhs, "op": op, "rhs": rhs, "factor": factor,
+             "applies": False, "reason": reason}
+    _emit(f"{NOT_TESTED} ({reason}): {statement}", {"claim": entry})
 
 
 # --------------------------------------------------------------------------------------------

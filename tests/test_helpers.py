@@ -77,6 +77,197 @@ def test_gpu_count_guard_names_what_the_notebook_needs(monkeypatch):
     assert helpers.require_gpus(1) == [torch.device("cuda", 0)]
 
 
+# Two GPUs on one host: how they are connected.
+
+#: nvidia-smi topo -m on the 2 x H200 host of notebook 10's committed run (as it printed it).
+TOPOLOGY_H200 = (
+    "\t\x1b[4mGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
+    "GPU0\t X \tNV18\t0-31\t0\t\tN/A\nGPU1\tNV18\t X \t0-31\t0\t\tN/A\n\nLegend:\n\n"
+    "  X    = Self\n  SYS  = Connection traversing PCIe as well as the SMP interconnect between "
+    "NUMA nodes (e.g., QPI/UPI)\n  PIX  = Connection traversing at most a single PCIe bridge\n"
+    "  NV#  = Connection traversing a bonded set of # NVLinks\n\n")
+#: A four-GPU host: one NVLink pair, a PCIe switch, two sockets, and a NIC column and row.
+TOPOLOGY_FOUR = (
+    "\t\x1b[4mGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
+    "GPU0\t X \tNV4\tPIX\tSYS\tPIX\t0-15\t0\t\tN/A\n"
+    "GPU1\tNV4\t X \tPHB\tSYS\tPHB\t0-15\t0\t\tN/A\n"
+    "GPU2\tPIX\tPHB\t X \tNODE\tPIX\t0-15\t0\t\tN/A\n"
+    "GPU3\tSYS\tSYS\tNODE\t X \tSYS\t16-31\t1\t\tN/A\n"
+    "NIC0\tPIX\tPHB\tPIX\tSYS\t X \n\nLegend:\n\n  X    = Self\n  PIX  = one bridge\n")
+
+
+def test_the_topology_matrix_is_read_cell_by_cell():
+    assert helpers.parse_topology_matrix(TOPOLOGY_H200) == {(0, 1): "NV18", (1, 0): "NV18"}
+    cells = helpers.parse_topology_matrix(TOPOLOGY_FOUR)
+    assert cells[(0, 1)] == cells[(1, 0)] == "NV4"
+    assert cells[(0, 2)] == "PIX" and cells[(1, 2)] == "PHB" and cells[(2, 3)] == "NODE"
+    assert cells[(3, 0)] == "SYS" and (0, 0) not in cells and len(cells) == 12
+    assert all(0 <= a <= 3 and 0 <= b <= 3 for a, b in cells)  # no NIC column or row
+    spaced = TOPOLOGY_FOUR.replace("\t", "    ")  # columns padded with spaces, not tabs
+    assert helpers.parse_topology_matrix(spaced) == cells
+    assert helpers.parse_topology_matrix("NVIDIA-SMI has failed") == {}
+    assert helpers.parse_topology_matrix("") == {}
+
+
+@pytest.mark.parametrize("cell, kind, nvlink, shares_switch, own_links", [
+    ("NV4", "nvlink", True, False, False), ("PIX", "pcie_switch", False, True, False),
+    ("PXB", "pcie_switch", False, True, False), ("PHB", "pcie_cpu", False, False, True),
+    ("NODE", "pcie_cpu", False, False, True), ("SYS", "pcie_cpu", False, False, True),
+    ("SOC", "pcie_cpu", False, False, True), ("???", "unknown", None, False, False)])
+def test_a_gpu_link_is_classified_from_its_matrix_cell(cell, kind, nvlink, shares_switch,
+                                                         own_links):
+    link = helpers.link_from_matrix_cell(cell, peer_access=kind != "pcie_cpu")
+    assert (link.kind, link.nvlink) == (kind, nvlink)
+    assert link.shares_pcie_switch == shares_switch and link.separate_host_links == own_links
+    assert ("NVLink (4 links)" in str(link)) == (kind == "nvlink")
+    assert str(link).endswith(f"peer access: {'no' if kind == 'pcie_cpu' else 'yes'} "
+                              "(from nvidia-smi topo -m)")
+
+
+def test_a_gpu_link_names_the_pcie_path_and_says_what_it_does_not_know():
+    switch = helpers.GpuLink(True, False, None, "PIX", "NVML")
+    assert switch.kind == "pcie_switch" and "meet at one PCIe switch" in str(switch)
+    both = helpers.GpuLink(True, True, 18, "PHB", "NVML")  # NVLink, and each its own host link
+    assert both.kind == "nvlink" and both.separate_host_links and not both.shares_pcie_switch
+    assert "NVLink (18 links)" in str(both) and "host bridge" in str(both)
+    unknown = helpers.GpuLink(False, None, None, None, "nothing")
+    assert unknown.kind == "unknown" and not unknown.shares_pcie_switch
+    assert not unknown.separate_host_links  # unknown is not evidence of separate links
+    assert "NVLink unknown" in str(unknown) and "an unreported place" in str(unknown)
+
+
+class FakeNVML:
+    """Stands in for the pynvml module: two GPUs found by PCI address, fixture answers."""
+
+    NVML_P2P_CAPS_INDEX_NVLINK, NVML_P2P_STATUS_OK, NVML_NVLINK_MAX_LINKS = 2, 0, 36
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, p2p_status=0, active_links=18, ancestor=30, fail=None):
+        self.p2p_status, self.active_links, self.ancestor = p2p_status, active_links, ancestor
+        self.fail, self.calls = fail or set(), []
+
+    def _call(self, name):
+        self.calls.append(name)
+        if name in self.fail:
+            raise self.NVMLError(name)
+
+    def nvmlInit(self):
+        self._call("init")
+
+    def nvmlShutdown(self):
+        self._call("shutdown")
+
+    def nvmlDeviceGetHandleByPciBusId(self, address):
+        self._call("handle")
+        return {"0000:18:00.0": "gpu-a", "0000:2a:00.0": "gpu-b"}[address]
+
+    def nvmlDeviceGetP2PStatus(self, a, b, index):
+        self._call("p2p")
+        assert (a, b, index) == ("gpu-a", "gpu-b", self.NVML_P2P_CAPS_INDEX_NVLINK)
+        return self.p2p_status
+
+    def nvmlDeviceGetNvLinkState(self, handle, link):
+        if link >= 18:  # an H200 has 18 links; NVML refuses to answer for more
+            raise self.NVMLError("invalid argument")
+        return int(link < self.active_links)
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a, b):
+        self._call("ancestor")
+        return self.ancestor
+
+
+@pytest.fixture
+def two_fake_gpus(monkeypatch):
+    """CUDA devices 0 and 1 at two PCI addresses, with peer access, and no nvidia-smi."""
+    addresses = {0: "0000:18:00.0", 1: "0000:2a:00.0"}
+    monkeypatch.setattr(helpers, "pci_address", addresses.get)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    monkeypatch.setattr(helpers, "tool_output", lambda *command, timeout=30: None)
+
+    def install(nvml):
+        monkeypatch.setitem(__import__("sys").modules, "pynvml", nvml)
+        return nvml
+
+    return install
+
+
+def test_nvml_tells_nvlink_its_active_links_and_the_pcie_path(two_fake_gpus):
+    nvml = two_fake_gpus(FakeNVML())
+    link = helpers.gpu_link(0, 1)
+    assert link == helpers.GpuLink(True, True, 18, "PHB", "NVML")
+    assert nvml.calls[0] == "init" and nvml.calls[-1] == "shutdown"
+    switch = two_fake_gpus(FakeNVML(p2p_status=4, ancestor=10))  # no NVLink, one switch
+    assert helpers.gpu_link(0, 1) == helpers.GpuLink(True, False, None, "PIX", "NVML")
+    assert "p2p" in switch.calls
+    unsure = two_fake_gpus(FakeNVML(fail={"p2p", "ancestor"}))  # NVML cannot say
+    assert helpers.gpu_link(0, 1) == helpers.GpuLink(True, None, None, None, "NVML")
+    assert unsure.calls[-1] == "shutdown"
+
+
+def test_without_nvml_the_link_comes_from_nvidia_smi_in_its_own_numbering(two_fake_gpus,
+                                                                            monkeypatch):
+    two_fake_gpus(FakeNVML(fail={"init"}))  # a driver without NVML: the matrix instead
+    answers = {"--query-gpu=index,pci.bus_id": "0, 00000000:2A:00.0\n1, 00000000:18:00.0\n",
+               "topo": TOPOLOGY_FOUR}  # nvidia-smi's GPU0 is CUDA's device 1, and back
+
+    def fake_tool(*command, timeout=30):
+        return answers.get(command[1]) if command[0] == "nvidia-smi" else None
+
+    monkeypatch.setattr(helpers, "tool_output", fake_tool)
+    assert helpers.gpu_link(0, 1) == helpers.link_from_matrix_cell("NV4", True)
+    monkeypatch.setattr(helpers, "pci_address", {0: "0000:18:00.0"}.get)  # 2: no address
+    assert helpers.gpu_link(0, 2).pcie_path == "PHB"  # nvidia-smi's GPU1 and, unmatched, GPU2
+    two_fake_gpus(FakeNVML(fail={"handle"}))  # NVML there, but it knows neither GPU
+    monkeypatch.setattr(helpers, "tool_output", lambda *command, timeout=30: None)
+    assert helpers.gpu_link(0, 1) == helpers.GpuLink(True, None, None, None, "nothing")
+
+
+def test_tool_output_is_none_when_the_tool_is_missing_or_fails():
+    assert helpers.tool_output("echo", "topology") == "topology\n"
+    assert helpers.tool_output("no-such-tool-here") is None
+    assert helpers.tool_output("false") is None
+
+
+def test_numa_nodes_and_the_hypervisor_flag_are_read_from_the_system(tmp_path):
+    for node, cpus in ((1, "16-31"), (0, "0-15"), (10, "64-79")):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "cpulist").write_text(cpus + "\n")
+    (tmp_path / "possible").write_text("0-1\n")  # not a node
+    assert helpers.numa_nodes(tmp_path) == {0: "0-15", 1: "16-31", 10: "64-79"}
+    assert helpers.numa_nodes(tmp_path / "absent") == {}
+    bare = "processor\t: 0\nflags\t\t: fpu vme sse sse2 avx2\nprocessor\t: 1\n"
+    assert helpers.in_virtual_machine(bare) is False
+    assert helpers.in_virtual_machine(bare.replace("avx2", "avx2 hypervisor")) is True
+    assert helpers.in_virtual_machine("Features\t: fp asimd evtstrm\n") is False
+    assert helpers.in_virtual_machine("model name\t: a hypervisor-free CPU\n") is False
+    assert helpers.in_virtual_machine() in (True, False)  # this machine's own /proc/cpuinfo
+
+
+@needs_cuda
+def test_pci_address_is_written_the_way_linux_lists_devices():
+    import re
+
+    address = helpers.pci_address(0)
+    assert address is None or re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.0", address)
+    node = helpers.gpu_numa_node(0)
+    assert node is None or node >= -1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="requires 2 GPUs")
+def test_gpu_link_reads_this_hosts_two_gpus():
+    link = helpers.gpu_link(0, 1)
+    both_ways = torch.cuda.can_device_access_peer(0, 1) and torch.cuda.can_device_access_peer(1, 0)
+    assert link.peer_access == both_ways
+    assert link.kind in ("nvlink", "pcie_switch", "pcie_cpu", "unknown")
+    assert link.source in ("NVML", "nvidia-smi topo -m", "nothing")
+    address = helpers.pci_address(1)
+    assert address is None or len(address.split(":")) == 3
+    assert helpers.gpu_numa_node(1) is None or helpers.gpu_numa_node(1) >= -1
+
+
 # ---------------------------------------------------------------------------- Colab set-up
 
 
@@ -362,6 +553,57 @@ def test_claim_holds_or_stops_with_one_line(fresh_measurements, capsys):
     assert "fast is under a tenth of slow" in str(failed.value)
     with pytest.raises(ValueError):
         helpers.claim("nonsense", "fast_ms", "!=", "slow_ms")
+
+
+def _nbval_sanitized(text: str) -> str:
+    """``text`` as nbval compares it: the project's sanitize file, applied as nbval applies it."""
+    import re
+
+    from nbval.plugin import get_sanitize_patterns
+
+    patterns = get_sanitize_patterns((helpers.ROOT / "tests" / "sanitize.cfg").read_text())
+    assert len(patterns) >= 3, "tests/sanitize.cfg lost a regex/replace pair nbval can read"
+    for regex, replace in patterns:
+        text = re.sub(regex, replace, text)
+    return text
+
+
+def test_a_host_dependent_claim_reads_the_same_to_nbval_where_it_applies_or_not(
+        fresh_measurements, capsys):
+    helpers.record("peer_over_host", 14.3, "x", "a peer copy beats the host by")
+    capsys.readouterr()
+    statement = "over NVLink, a peer copy is at least 3x faster than the trip through the host"
+    helpers.claim_where(statement, "peer_over_host", ">=", 3, applies=True,
+                        reason="no NVLink between these 2 GPUs")
+    where_it_applies = capsys.readouterr().out
+    helpers.claim_where(statement, "peer_over_host", ">=", 3, applies=False,
+                        reason="no NVLink between these 2 GPUs")
+    where_it_does_not = capsys.readouterr().out
+    # the reader sees which ...
+    assert where_it_applies == f"claim holds: {statement}\n"
+    assert where_it_does_not == (f"claim not tested here (no NVLink between these 2 GPUs): "
+                                 f"{statement}\n")
+    # ... and nbval compares the same text, which still tells one claim from another
+    assert _nbval_sanitized(where_it_applies) == _nbval_sanitized(where_it_does_not) \
+        == "claim: over NVLink, a peer copy is at least Nx faster than the trip through the host\n"
+    assert _nbval_sanitized(where_it_applies) != _nbval_sanitized("claim holds: other\n")
+    plain = "claim holds: a claim of helpers.claim\n"  # every other claim reads as before
+    assert _nbval_sanitized(plain) == "claim: a claim of helpers.claim\n"
+
+
+def test_a_host_dependent_claim_that_applies_and_fails_still_fails(fresh_measurements):
+    helpers.record("peer_over_host", 1.8, "x", "a peer copy beats the host by")
+    with pytest.raises(helpers.ClaimFailed, match="at least 3x"):
+        helpers.claim_where("over NVLink, a peer copy is at least 3x faster", "peer_over_host",
+                            ">=", 3, applies=True, reason="no NVLink")
+    # where it does not apply, nothing is evaluated: the measurement need not even exist
+    helpers.claim_where("peer copies beat the host", "never_recorded", ">", 1, applies=False,
+                        reason="no peer access")
+    for reason in ("", "two\nlines", "odd): text"):  # a reason nbval's sanitizer can read
+        with pytest.raises(ValueError, match="reason"):
+            helpers.claim_where("x", "peer_over_host", ">", 1, applies=False, reason=reason)
+    with pytest.raises(ValueError, match="op must be"):
+        helpers.claim_where("x", "peer_over_host", "==", 1, applies=False, reason="r")
 
 
 def test_evaluate_claim_reads_recorded_values():
