@@ -7,6 +7,9 @@
 - Figures saved during a test run go to a temporary folder.
 - After a cell fails, the rest of its notebook is skipped, so one failure reads as one failure
   and not as a cascade of NameErrors.
+- With ``COLLECTION_CLAIM_LOG=FILE`` set, every claim the notebooks check is also appended to
+  FILE with its measured values (tools/claim_log.py); `python tools/nbtool.py margins --add
+  FILE` keeps those runs for the margin report. Claims still raise, so the run is CI's.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
 CPU_OK_TAG = "cpu-ok"
 _failed_notebooks: set[str] = set()
 _own_figures_dir: str | None = None
+_claim_log_dir: str | None = None
 
 
 def pytest_configure(config):
@@ -29,12 +34,26 @@ def pytest_configure(config):
     if "COLLECTION_FIGURES_DIR" not in os.environ:
         _own_figures_dir = tempfile.mkdtemp(prefix="figures-")
         os.environ["COLLECTION_FIGURES_DIR"] = _own_figures_dir
+    global _claim_log_dir
+    if os.environ.get("COLLECTION_CLAIM_LOG"):
+        _claim_log_dir = tempfile.mkdtemp(prefix="claim-log-")
 
 
 def pytest_unconfigure(config):
     # Repeated runs on one machine must not fill its disk with figure folders.
-    if _own_figures_dir is not None:
-        shutil.rmtree(_own_figures_dir, ignore_errors=True)
+    for made in (_own_figures_dir, _claim_log_dir):
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def _log_claims_of(item) -> None:
+    """Before a notebook's kernel starts, tell it which notebook it runs (for the claim log)."""
+    from tools import nbtool
+
+    path = Path(str(item.parent.fspath))
+    os.environ.update(nbtool.claim_log_environment(
+        Path(os.environ["COLLECTION_CLAIM_LOG"]).resolve(), path, item.parent.nb, "nbval",
+        False, Path(_claim_log_dir) / "ipython"))
 
 
 def _is_notebook_cell(item) -> bool:
@@ -69,6 +88,9 @@ def pytest_runtest_makereport(item, call):
         _failed_notebooks.add(item.parent.nodeid)
 
 
+@pytest.hookimpl(tryfirst=True)  # before nbval starts the notebook's kernel
 def pytest_runtest_setup(item):
+    if _claim_log_dir is not None and _is_notebook_cell(item):
+        _log_claims_of(item)
     if _is_notebook_cell(item) and item.parent.nodeid in _failed_notebooks:
         pytest.skip("an earlier cell of this notebook failed")

@@ -7,6 +7,10 @@
                                                 teaching metadata, the README's generated
                                                 sections (--fix rewrites what it can)
     python tools/nbtool.py new NN_topic "Title" "The question?"   start a notebook in the format
+    python tools/nbtool.py margins [NOTEBOOK ...] [--runs N] [--cpus 0,1] [--add LOG ...]
+                                                execute N times with claims recorded, not
+                                                raised (or add logs pytest wrote), keep the runs
+                                                in tests/margins.json, report each claim's margin
     python tools/nbtool.py sizes                each notebook's core path (before "## Going
                                                 further") and whole size against the targets
     python tools/nbtool.py site                 build the static site from the committed outputs
@@ -23,10 +27,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import copy
 import datetime as dt
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -404,6 +410,7 @@ def execute(path: Path, timeout: int = 600) -> dict:
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "python": sys.version.split()[0],
         "date": dt.datetime.now(dt.UTC).date().isoformat(),
+        "usable_cpus": len(os.sched_getaffinity(0)), "host_cpus": os.cpu_count(),
         "wall_seconds": round(wall, 1),
         "kernel_peak_rss_mib": None if peak["rss"] is None else round(peak["rss"]),
         "process_tree_peak_mib": None if tree_peak is None else round(tree_peak),
@@ -779,9 +786,301 @@ def readme_with_table(text: str, table: str) -> str:
 
 
 def current_readme(text: str, paths: list[Path], conf: dict) -> str:
-    """The README with both generated sections (notebook table, teaching) regenerated."""
+    """The README with its generated sections (notebook table, teaching, margins)
+    regenerated."""
     text = readme_with_table(text, readme_table(paths, conf))
+    text = _replace_between(text, MARGINS_START, MARGINS_END, margins_table(paths))
     return _replace_between(text, TEACHING_START, TEACHING_END, teaching_section(paths, conf))
+
+
+# ---------------------------------------------------------------------------- margins
+#
+# A claim's margin is how far its measured value is from failing: lhs / threshold for > and >=,
+# threshold / lhs for < and <= (1.0: at the threshold; under 1: failed). Runs are recorded by
+# tools/claim_log.py in a notebook's kernel, either by `margins` (claims recorded, not raised)
+# or by pytest with COLLECTION_CLAIM_LOG set (nbval as CI runs it); MARGINS keeps every run, and
+# the report counts a run only while the notebook's code and what it reaches of helpers.py are
+# the ones that ran. The committed outputs are a run too, with all CPUs.
+
+MARGINS = ROOT / "tests" / "margins.json"
+MARGIN_BAR = 1.10  # every timing claim's worst margin, over every current run (issue 32)
+MARGIN_RUNS = 3  # runs per host shape: all CPUs, and 2 CPUs (a free Colab runtime's)
+TIMING_UNITS = frozenset({"ms", "s", "us", "GB/s", "batches/s", "x", "%"})
+# Ratios in "x" or "%" that no clock enters: sizes the allocator, the page cache or the disk
+# decide, the same on every run of one host.
+NOT_TIMING = frozenset({
+    "rounding_33mib",  # 01: the caching host allocator's power-of-two rounding
+    "worst_peak_ratio",  # 11: peak GPU memory
+    "cpu_build_host_peak", "gpu_build_gpu_peak", "meta_gpu_peak",  # 12: peak memory
+    "cold_disk_share", "warm_disk_share",  # 12: bytes the kernel counted as read from the disk
+    "exercise_pinned_ratio",  # 06: pinned bytes held against the prediction
+    "pins_inside_next_share",  # 06: the share of pin_memory() calls made inside next()
+})
+MARGINS_START, MARGINS_END = "<!-- margins:start -->", "<!-- margins:end -->"
+
+
+def run_version(nb) -> str:
+    """What a margin run depends on: the notebook's code and what of helpers.py it reaches."""
+    reach = json.dumps(helpers_reach(nb), sort_keys=True)
+    return hashlib.sha256(f"{code_sha256(nb)}\n{reach}".encode()).hexdigest()[:16]
+
+
+def claim_margin(op: str, lhs: float, threshold: float) -> float:
+    """How far ``lhs op threshold`` is from failing, as a ratio (inf: it cannot fail by
+    scaling, e.g. a zero where at most some is allowed; 0: it failed outright)."""
+    greater = op.startswith(">")
+    numerator, denominator = (lhs, threshold) if greater else (threshold, lhs)
+    holds = (lhs > threshold if op == ">" else lhs >= threshold if op == ">="
+             else lhs < threshold if op == "<" else lhs <= threshold)
+    if denominator > 0 and numerator >= 0:
+        return numerator / denominator
+    return float("inf") if holds else 0.0
+
+
+def is_timing_claim(claim: dict) -> bool:
+    """A claim on a measured time or rate (or a share or ratio of them), as opposed to an
+    exact one: a count, a size, a yes/no."""
+    if claim["lhs"] in NOT_TIMING or claim["rhs"] in NOT_TIMING:
+        return False
+    units = {claim.get("lhs_unit"), claim.get("rhs_unit")} - {None}
+    if units & TIMING_UNITS:
+        return True
+    values = (claim.get("lhs_value"), claim.get("rhs_value"))
+    return units <= {""} and any(v is not None and not float(v).is_integer() for v in values)
+
+
+def committed_run(path: Path, nb) -> dict | None:
+    """The committed outputs' claims as a margin run (the executor runs with every CPU)."""
+    stamp = nb.metadata.get(METADATA_KEY, {}).get("provenance")
+    if not stamp:
+        return None
+    measured = {m["key"]: m for m in outputs_metadata(nb, "measurement")}
+    claims = []
+    for found in outputs_metadata(nb, "claim"):
+        line = dict(found, applies=found.get("applies", True))
+        if line["applies"]:
+            for side in ("lhs", "rhs"):
+                key = found[side]
+                value = measured.get(key) if isinstance(key, str) else {"value": key}
+                line[f"{side}_value"] = None if value is None else float(value["value"])
+                line[f"{side}_unit"] = None if value is None else value.get("unit")
+            line["holds"] = True  # a committed run stops at a claim that fails
+        claims.append(line)
+    return {"run": f"committed-{stamp.get('date')}", "notebook": path.name,
+            "version": run_version(nb), "source": "committed", "gpu": stamp.get("gpu"),
+            "usable_cpus": stamp.get("usable_cpus"), "host_cpus": stamp.get("host_cpus"),
+            "torch": stamp.get("torch"), "date": stamp.get("date"), "claims": claims}
+
+
+def runs_from_log(lines: list[dict]) -> list[dict]:
+    """Group a claim log's lines (tools/claim_log.py) into runs, one per kernel."""
+    runs: dict[str, dict] = {}
+    claim_fields = ("statement", "lhs", "op", "rhs", "factor", "lhs_value", "lhs_unit",
+                    "rhs_value", "rhs_unit", "holds", "applies", "reason")
+    for line in lines:
+        run = runs.setdefault(line["run"], {k: v for k, v in line.items()
+                                            if k not in claim_fields} | {"claims": []})
+        run["claims"].append({k: line[k] for k in claim_fields if k in line})
+    return list(runs.values())
+
+
+def read_margins(path: Path = MARGINS) -> list[dict]:
+    return json.loads(path.read_text(encoding="utf-8"))["runs"] if path.exists() else []
+
+
+def add_runs(new: list[dict], path: Path = MARGINS) -> int:
+    """Keep ``new`` runs in the margins file (a run already kept is not added twice)."""
+    runs = read_margins(path)
+    known = {r["run"] for r in runs}
+    added = [r for r in new if r["run"] not in known and r.get("notebook")]
+    runs += added
+    runs.sort(key=lambda r: (r["notebook"], r.get("date") or "", r["run"]))
+    path.write_text(json.dumps({"runs": runs}, indent=1) + "\n", encoding="utf-8")
+    return len(added)
+
+
+def host_shape(run: dict) -> str:
+    """"all CPUs" or "N CPUs" (a run under taskset); the committed run is made with all."""
+    usable, total = run.get("usable_cpus"), run.get("host_cpus")
+    if usable is None or usable == total:
+        return "all CPUs"
+    return f"{usable} CPUs"
+
+
+def current_runs(path: Path, nb, runs: list[dict]) -> list[dict]:
+    """The runs of this notebook's current version, the committed outputs first."""
+    version = run_version(nb)
+    mine = [r for r in runs if r["notebook"] == path.name and r.get("version") == version]
+    committed = committed_run(path, nb)
+    return ([committed] if committed else []) + mine
+
+
+@dataclass
+class ClaimMargins:
+    """One claim over a notebook's runs."""
+
+    statement: str
+    timing: bool
+    margins: list[float]  # one per run where it applied and was measured
+    shapes: list[str]
+    values: list[float]
+    threshold: str
+
+    @property
+    def worst(self) -> float:
+        return min(self.margins, default=float("inf"))
+
+    @property
+    def median(self) -> float:
+        ordered = sorted(self.margins)
+        return ordered[len(ordered) // 2] if ordered else float("inf")
+
+
+def claim_margins(runs: list[dict]) -> list[ClaimMargins]:
+    """Each claim's margins over ``runs``, in the notebook's order."""
+    by_claim: dict[tuple, ClaimMargins] = {}
+    for run in runs:
+        for claim in run["claims"]:
+            key = (claim["statement"], claim["lhs"])
+            rhs = claim["rhs"]
+            threshold = (f"{claim['op']} {claim['factor']:g} x {rhs}" if isinstance(rhs, str)
+                         else f"{claim['op']} {claim['factor'] * rhs:g}")
+            found = by_claim.setdefault(key, ClaimMargins(claim["statement"], False, [], [], [],
+                                                          threshold))
+            if not claim.get("applies", True) or claim.get("lhs_value") is None \
+                    or claim.get("rhs_value") is None:
+                continue
+            found.timing = found.timing or is_timing_claim(claim)
+            found.margins.append(claim_margin(claim["op"], claim["lhs_value"],
+                                              claim["factor"] * claim["rhs_value"]))
+            found.shapes.append(host_shape(run))
+            found.values.append(claim["lhs_value"])
+    return list(by_claim.values())
+
+
+def _margin_text(value: float) -> str:
+    return "inf" if value == float("inf") else f"{value:.3f}"
+
+
+def margins_report(paths: list[Path], runs: list[dict] | None = None) -> str:
+    """Per notebook and claim: the threshold, the measured values' range, and the worst and
+    median margin over the current runs, with how many runs of each host shape."""
+    runs = read_margins() if runs is None else runs
+    lines = []
+    for path in paths:
+        mine = current_runs(path, read(path), runs)
+        shapes = collections.Counter(host_shape(r) for r in mine)
+        gpus = sorted({r.get("gpu") or "?" for r in mine})
+        lines.append(f"{path.name}: " + (", ".join(f"{n} run(s) with {s}"
+                                                    for s, n in sorted(shapes.items()))
+                                          or "no current run") + f" on {', '.join(gpus)}")
+        for c in claim_margins(mine):
+            if not c.margins:
+                lines.append(f"  {'-':>7} {'-':>7}  {'not measured':<11} {c.statement}")
+                continue
+            kind = "timing" if c.timing else "exact"
+            spread = f"{min(c.values):.4g}..{max(c.values):.4g}"
+            flag = "  <-- under the bar" if c.timing and c.worst < MARGIN_BAR else ""
+            lines.append(f"  {_margin_text(c.worst):>7} {_margin_text(c.median):>7}  "
+                         f"{kind:<6} {c.statement} [lhs {spread}, {c.threshold}]{flag}")
+    return "\n".join(["worst  median  kind   claim [measured range, threshold]"] + lines)
+
+
+def margins_summary(path: Path, nb, runs: list[dict]) -> dict:
+    """A notebook's runs per host shape and its worst timing claim."""
+    mine = current_runs(path, nb, runs)
+    timing = [c for c in claim_margins(mine) if c.timing and c.margins]
+    worst = min(timing, key=lambda c: c.worst, default=None)
+    return {"shapes": collections.Counter(host_shape(r) for r in mine),
+            "gpus": sorted({r.get("gpu") or "?" for r in mine}),
+            "worst": worst, "timing_claims": len(timing),
+            "exact_claims": sum(1 for c in claim_margins(mine) if not c.timing and c.margins)}
+
+
+def margins_table(paths: list[Path], runs: list[dict] | None = None) -> str:
+    """The README's table: per notebook, its runs and its worst timing margin."""
+    runs = read_margins() if runs is None else runs
+    rows = ["| # | runs: all CPUs / 2 CPUs | claims: timing / exact | worst timing margin "
+            "(the claim) |", "|---|---|---|---|"]
+    for path in paths:
+        s = margins_summary(path, read(path), runs)
+        worst = "-" if s["worst"] is None else \
+            f"{_margin_text(s['worst'].worst)} ({s['worst'].statement})"
+        rows.append(f"| {path.name[:2]} | {s['shapes'].get('all CPUs', 0)} / "
+                    f"{s['shapes'].get('2 CPUs', 0)} | {s['timing_claims']} / "
+                    f"{s['exact_claims']} | {worst} |")
+    return "\n".join(rows)
+
+
+def claim_log_module():
+    """tools/claim_log.py, imported by its path (tools/ need not be on sys.path)."""
+    import importlib.util
+
+    if "claim_log" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("claim_log", ROOT / "tools" / "claim_log.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["claim_log"] = module
+    return sys.modules["claim_log"]
+
+
+def claim_log_environment(log: Path, nb_path: Path, nb, source: str, record: bool,
+                          ipython_dir: Path) -> dict[str, str]:
+    """The environment variables under which a kernel logs its claims to ``log``."""
+    claim_log = claim_log_module()
+    claim_log.startup_profile(ipython_dir, ROOT)
+    return {"IPYTHONDIR": str(ipython_dir), claim_log.LOG: str(log),
+            claim_log.NOTEBOOK: nb_path.name, claim_log.VERSION: run_version(nb),
+            claim_log.SOURCE: source, claim_log.MODE: "record" if record else "raise"}
+
+
+def execute_for_margins(path: Path, log: Path, timeout: int = 600) -> None:
+    """Run a notebook in a fresh kernel with its claims recorded, not raised, into ``log``;
+    the notebook, its outputs and the committed figures are left as they are."""
+    from nbclient import NotebookClient
+
+    nb = read(path)
+    with tempfile.TemporaryDirectory(prefix="margins-") as scratch:
+        env = claim_log_environment(log, path, nb, "margins", True, Path(scratch) / "ipython")
+        env["COLLECTION_FIGURES_DIR"] = str(Path(scratch) / "figures")
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the kernel inherits this process's environment
+        try:
+            NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                           resources={"metadata": {"path": str(path.parent)}}).execute()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def read_claim_log(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines() if line]
+
+
+def _margins(paths: list[Path], runs: int, cpus: str | None, add: list[Path],
+             report_only: bool) -> int:
+    """The `margins` command: execute and record, add recorded logs, then report."""
+    for log in add:
+        print(f"{log}: {add_runs(runs_from_log(read_claim_log(log)))} run(s) added")
+    if not report_only and not add:
+        if cpus:  # the kernels started from here inherit this affinity (as under taskset)
+            os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+        with tempfile.TemporaryDirectory(prefix="claims-") as scratch:
+            log = Path(scratch) / "claims.jsonl"
+            for path in paths:
+                for index in range(runs):
+                    print(f"{path.name}: run {index + 1} of {runs} ...", flush=True)
+                    start = time.perf_counter()
+                    execute_for_margins(path, log)
+                    print(f"  {time.perf_counter() - start:.1f} s", flush=True)
+            if log.exists():
+                print(f"{add_runs(runs_from_log(read_claim_log(log)))} run(s) added to "
+                      f"{MARGINS.relative_to(ROOT)}")
+    print(margins_report(paths))
+    return 0
 
 
 # ---------------------------------------------------------------------------- the site
@@ -947,6 +1246,15 @@ def main(argv: list[str] | None = None) -> int:
     new.add_argument("title")
     new.add_argument("question")
     sub.add_parser("sizes", help="each notebook's core path and whole size against the targets")
+    margins = sub.add_parser("margins", help="execute notebooks with their claims recorded, "
+                             "not raised, keep the runs in tests/margins.json and report each "
+                             "claim's margin (default: report only, over every notebook)")
+    margins.add_argument("notebooks", nargs="*", type=Path)
+    margins.add_argument("--runs", type=int, default=0, help="executions per notebook")
+    margins.add_argument("--cpus", help="CPU list the kernels may use, as taskset -c takes "
+                         "it (0,1: a free Colab runtime's two)")
+    margins.add_argument("--add", nargs="*", type=Path, default=[], metavar="LOG",
+                         help="claim logs written by pytest with COLLECTION_CLAIM_LOG set")
     site = sub.add_parser("site", help="build the static site from the committed outputs")
     site.add_argument("--out", type=Path, default=SITE, help="where (default: _site/)")
     restamp_ = sub.add_parser("restamp", help="add helpers_units to stamps made before they had "
@@ -961,6 +1269,9 @@ def main(argv: list[str] | None = None) -> int:
         return _check(args.fix)
     if args.command == "new":
         return _new(args.stem, args.title, args.question)
+    if args.command == "margins":
+        paths = [p.resolve() for p in args.notebooks] or notebook_paths()
+        return _margins(paths, args.runs, args.cpus, args.add, report_only=args.runs == 0)
     if args.command == "sizes":
         print(sizes_report(notebook_paths()))
         return 0
