@@ -560,6 +560,92 @@ def per_step_ms(make_batches: Callable[[], Iterable], step: Callable[[object], o
     return statistics.median(per_epoch[1:])
 
 
+def epoch_step_ms(make_batches: Callable[[], Iterable], step: Callable[[object], object], *,
+                  skip: int = 2, tail: int = 0) -> float:
+    """GPU time per step of one epoch, in ms: ``step(batch)`` over ``make_batches()`` with a CUDA
+    event recorded on the current stream after every step, timed from step ``skip`` to the
+    ``tail``-th from last (one epoch of :func:`per_step_ms`)."""
+    marks = []
+    for batch in make_batches():
+        step(batch)
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
+    torch.cuda.synchronize()
+    last = len(marks) - 1 - tail
+    if last <= skip:
+        raise ValueError(f"an epoch of {len(marks)} steps leaves none to time with "
+                         f"skip={skip}, tail={tail}")
+    return marks[skip].elapsed_time(marks[last]) / (last - skip)
+
+
+def interleaved_step_ms(loops: dict[str, tuple[Callable[[], Iterable], Callable[[object], object]]],
+                        *, rounds: int = 7, warmup: int = 1, skip: int = 2, tail: int = 0,
+                        after: Callable[[str], object] | None = None) -> dict[str, list[float]]:
+    """Time per step of several loops (name: (make_batches, step)), one epoch of each in turn
+    (A B C A B C...) for ``warmup + rounds`` rounds, so that a slow spell of the host or the GPU
+    falls on all of them rather than on whichever was being measured. Returns each loop's time
+    per step in every timed round (:func:`epoch_step_ms`), in round order, so that a caller can
+    compare loops round by round and see an outlier. ``after(name)`` runs, untimed, after each
+    epoch, warm-up epochs included (to check a result, say)."""
+    per_round: dict[str, list[float]] = {name: [] for name in loops}
+    for index in range(warmup + rounds):
+        for name, (make_batches, step) in loops.items():
+            ms = epoch_step_ms(make_batches, step, skip=skip, tail=tail)
+            if after is not None:
+                after(name)
+            if index >= warmup:
+                per_round[name].append(ms)
+    return per_round
+
+
+def queue_gated(fn: Callable[[], object], streams: Sequence[torch.cuda.Stream], *,
+                gate_ms: float = 5.0) -> tuple[torch.cuda.Event, list[torch.cuda.Event]]:
+    """Queue ``fn``'s work behind a gate: ``gate_ms`` of GPU work on the current stream, which
+    each of ``streams`` waits for before the work ``fn`` queues on it. ``fn`` must only queue
+    work (on those streams), not wait for it. Everything is in place before any of it starts, so
+    when each piece starts no longer depends on when the host got round to queueing it (a slow
+    launch, a descheduled thread). Returns an event at the gate's end and one at the end of each
+    stream's work."""
+    opened = torch.cuda.Event(enable_timing=True)
+    gpu_busy(gate_ms)
+    opened.record()
+    for stream in streams:
+        stream.wait_event(opened)
+    fn()
+    ends = [torch.cuda.Event(enable_timing=True) for _ in streams]
+    for stream, end in zip(streams, ends, strict=True):
+        end.record(stream)
+    return opened, ends
+
+
+def time_gated(fn: Callable[[], object], streams: Sequence[torch.cuda.Stream], *,
+               gate_ms: float = 5.0) -> float:
+    """Device time of the work ``fn`` queues on ``streams``, in ms: from the end of a gate that
+    holds all of it back (:func:`queue_gated`) to the end of the last stream's work, by CUDA
+    events (no host clock, no launch or synchronisation latency)."""
+    torch.cuda.synchronize()
+    opened, ends = queue_gated(fn, streams, gate_ms=gate_ms)
+    torch.cuda.synchronize()
+    return max(opened.elapsed_time(end) for end in ends)
+
+
+def interleaved_gated(cases: dict[str, tuple[Callable[[], object],
+                                             Sequence[torch.cuda.Stream]]], *,
+                      rounds: int = 30, warmup: int = 2, gate_ms: float = 5.0,
+                      ) -> dict[str, Timing]:
+    """:func:`time_gated` for each case (name: (fn, streams)), the cases taken in turn (A B A
+    B...) for ``warmup + rounds`` rounds, so that a slow spell falls on all of them. Sample i of
+    every case comes from round i, so that cases can be compared round by round."""
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for index in range(warmup + rounds):
+        for name, (fn, streams) in cases.items():
+            ms = time_gated(fn, streams, gate_ms=gate_ms)
+            if index >= warmup:
+                samples[name].append(ms)
+    return {name: Timing(tuple(values), "CUDA events, gated start, cases in turn")
+            for name, values in samples.items()}
+
+
 def format_bytes(nbytes: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
@@ -1044,6 +1130,29 @@ def overlap_fraction(activities: Sequence[Activity], copy_kinds: Sequence[str] =
     if copy_time == 0:
         raise ValueError(f"no copies of kinds {tuple(copy_kinds)} among the activities")
     return _intersection(copies, kernels) / copy_time
+
+
+def overlap_between(activities: Sequence[Activity], first: str = "H2D", second: str = "D2H",
+                    ) -> float:
+    """Share of the shorter of two kinds of activity (their union on the device) during which
+    the other kind ran too: 1 = the shorter ran entirely alongside the other, 0 = one after the
+    other. Two copies in opposite directions that overlap in time were in flight at once."""
+    a = _union((x.start_us, x.end_us) for x in activities if x.kind == first)
+    b = _union((x.start_us, x.end_us) for x in activities if x.kind == second)
+    shorter = min(_length(a), _length(b))
+    if shorter == 0:
+        raise ValueError(f"the activities need both {first} and {second} work")
+    return _intersection(a, b) / shorter
+
+
+def copy_gbps(activities: Sequence[Activity], kind: str) -> float:
+    """Bytes moved by the copies of ``kind`` ("H2D", "D2H", ...) over the time any of them was
+    in flight (the union of their spans), in GB/s."""
+    copies = [a for a in activities if a.kind == kind]
+    busy_us = _length(_union((a.start_us, a.end_us) for a in copies))
+    if busy_us == 0:
+        raise ValueError(f"no {kind} copies among the activities")
+    return sum(a.nbytes or 0 for a in copies) / (busy_us * 1e-6) / 1e9
 
 
 KIND_COLORS = {"kernel": "#4C72B0", "H2D": "#DD8452", "D2H": "#55A868", "D2D": "#8172B3",

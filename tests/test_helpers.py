@@ -426,6 +426,28 @@ def test_overlap_fraction():
         helpers.overlap_fraction(_spans(("kernel", 0, 1)))
 
 
+def test_overlap_between_two_kinds_is_a_share_of_the_shorter():
+    together = _spans(("H2D", 0, 10), ("D2H", 1, 8))
+    assert helpers.overlap_between(together) == 1.0  # the D2H ran entirely during the H2D
+    assert helpers.overlap_between(_spans(("H2D", 0, 10), ("D2H", 10, 20))) == 0.0
+    assert helpers.overlap_between(_spans(("H2D", 0, 10), ("D2H", 5, 25))) == 0.5
+    # each kind is a union; kernels do not count
+    acts = _spans(("H2D", 0, 4), ("H2D", 2, 6), ("D2H", 5, 9), ("kernel", 0, 9))
+    assert helpers.overlap_between(acts) == pytest.approx(1 / 4)
+    assert helpers.overlap_between(acts, "kernel", "D2H") == 1.0
+    with pytest.raises(ValueError):
+        helpers.overlap_between(_spans(("H2D", 0, 1), ("kernel", 0, 1)))
+
+
+def test_copy_gbps_is_bytes_over_the_time_in_flight():
+    acts = [helpers.Activity(0, "H2D", "c", 0.0, 10.0, 10**6),
+            helpers.Activity(1, "H2D", "c", 5.0, 20.0, 10**6),  # in flight with the first
+            helpers.Activity(0, "D2H", "c", 0.0, 1000.0, 1)]
+    assert helpers.copy_gbps(acts, "H2D") == pytest.approx(2e6 / 20e-6 / 1e9)
+    with pytest.raises(ValueError):
+        helpers.copy_gbps(acts, "D2D")
+
+
 @needs_cuda
 def test_profile_activities_sees_a_side_stream_copy_overlap_a_kernel():
     src = torch.empty(64 << 20, dtype=torch.uint8).pin_memory()
@@ -645,6 +667,62 @@ def test_per_step_ms_times_the_steady_state_step():
     assert abs(per_step - alone) <= 0.1 * alone, (per_step, alone)
     with pytest.raises(ValueError, match="leaves none to time"):
         helpers.per_step_ms(lambda: range(4), lambda _: helpers.gpu_busy(0.1), skip=2, tail=1)
+
+
+def test_interleaved_step_ms_takes_the_loops_in_turn(monkeypatch):
+    log, times = [], iter(range(100))
+
+    def fake_epoch(make_batches, step, *, skip, tail):
+        log.append((make_batches(), skip, tail))
+        return float(next(times))
+
+    monkeypatch.setattr(helpers, "epoch_step_ms", fake_epoch)
+    loops = {"a": (lambda: "a", None), "b": (lambda: "b", None)}
+    per_round = helpers.interleaved_step_ms(loops, rounds=2, warmup=1, skip=3, tail=1,
+                                            after=lambda name: log.append(name))
+    assert log == [("a", 3, 1), "a", ("b", 3, 1), "b"] * 3
+    assert per_round == {"a": [2.0, 4.0], "b": [3.0, 5.0]}  # warm-up round dropped
+
+
+def test_interleaved_gated_pairs_the_cases_round_by_round(monkeypatch):
+    order, times = [], iter([9.0, 9.0, 4.0, 2.0, 6.0, 3.0])
+
+    def fake_time_gated(fn, streams, *, gate_ms):
+        order.append((fn(), len(streams), gate_ms))
+        return next(times)
+
+    monkeypatch.setattr(helpers, "time_gated", fake_time_gated)
+    timings = helpers.interleaved_gated({"serial": (lambda: "s", ["one"]),
+                                         "parallel": (lambda: "p", ["one", "two"])},
+                                        rounds=2, warmup=1, gate_ms=1.5)
+    assert order == [("s", 1, 1.5), ("p", 2, 1.5)] * 3
+    assert timings["serial"].samples_ms == (4.0, 6.0)
+    assert timings["parallel"].samples_ms == (2.0, 3.0)
+    assert "gated" in timings["serial"].method
+
+
+@needs_cuda
+def test_epoch_step_ms_times_one_epoch_of_steps():
+    alone = helpers.time_cuda(lambda: helpers.gpu_busy(1.0)).median_ms
+    per_step = helpers.epoch_step_ms(lambda: range(12), lambda _: helpers.gpu_busy(1.0))
+    assert abs(per_step - alone) <= 0.1 * alone, (per_step, alone)
+    with pytest.raises(ValueError, match="leaves none to time"):
+        helpers.epoch_step_ms(lambda: range(4), lambda _: helpers.gpu_busy(0.1), skip=2, tail=1)
+
+
+@needs_cuda
+def test_time_gated_does_not_see_the_host_late_between_launches():
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def two_streams():
+        with torch.cuda.stream(first):
+            helpers.gpu_busy(2.0)
+        time.sleep(0.01)  # the host is 10 ms late with the second launch
+        with torch.cuda.stream(second):
+            helpers.gpu_busy(2.0)
+
+    ms = helpers.time_gated(two_streams, [first, second], gate_ms=30.0)
+    assert 1.5 < ms < 5.0, ms  # both ran at once, from the gate's end
 
 
 def test_format_bytes():
