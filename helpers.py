@@ -544,19 +544,8 @@ def per_step_ms(make_batches: Callable[[], Iterable], step: Callable[[object], o
     may have nothing left to overlap). The result is the median over ``runs`` epochs, after one
     warm-up epoch.
     """
-    per_epoch = []
-    for _ in range(runs + 1):
-        marks = []
-        for batch in make_batches():
-            step(batch)
-            marks.append(torch.cuda.Event(enable_timing=True))
-            marks[-1].record()
-        torch.cuda.synchronize()
-        last = len(marks) - 1 - tail
-        if last <= skip:
-            raise ValueError(f"an epoch of {len(marks)} steps leaves none to time with "
-                             f"skip={skip}, tail={tail}")
-        per_epoch.append(marks[skip].elapsed_time(marks[last]) / (last - skip))
+    per_epoch = [epoch_step_ms(make_batches, step, skip=skip, tail=tail)
+                 for _ in range(runs + 1)]
     return statistics.median(per_epoch[1:])
 
 
