@@ -635,6 +635,43 @@ def interleaved_gated(cases: dict[str, tuple[Callable[[], object],
             for name, values in samples.items()}
 
 
+def interleaved_timings(fns: dict[str, Callable[[], object]], *, rounds: int = 5,
+                        block: int = 1, settle: int = 0, warmup: int = 1) -> dict[str, Timing]:
+    """Time per call of each function, the functions taking turns (A B A B ...), so that a
+    slow spell of the host or of the GPU falls on all of them, and a ratio can pair calls made
+    moments apart (``ratios_by_round``).
+
+    Each function is called ``warmup`` times first, in turn. Then, every round, for each
+    function: ``settle`` calls untimed (for loops that share one batch source, the pipeline
+    gets to this loop's pace), then ``block`` calls timed together on the host clock,
+    synchronised at both ends. A sample is a block's time over ``block``: one per round.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(settle):
+                fn()
+            _sync()
+            start = time.perf_counter()
+            for _ in range(block):
+                fn()
+            _sync()
+            samples[name].append((time.perf_counter() - start) * 1e3 / block)
+    return {name: Timing(tuple(s), "host clock, synchronised, in turns")
+            for name, s in samples.items()}
+
+
+def ratios_by_round(numerator: Timing, denominator: Timing) -> list[float]:
+    """Round by round, one timing's sample over the other's: for timings taken in turns
+    (``interleaved_timings``), each ratio pairs two calls made moments apart."""
+    if len(numerator.samples_ms) != len(denominator.samples_ms):
+        raise ValueError("the two timings have different numbers of rounds")
+    return [a / b for a, b in zip(numerator.samples_ms, denominator.samples_ms, strict=True)]
+
+
 def format_bytes(nbytes: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:

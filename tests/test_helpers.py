@@ -725,6 +725,31 @@ def test_time_gated_does_not_see_the_host_late_between_launches():
     assert 1.5 < ms < 5.0, ms  # both ran at once, from the gate's end
 
 
+def test_interleaved_timings_take_turns_in_blocks_and_time_only_the_blocks():
+    log = []
+
+    def make(name, seconds=0.0):
+        def fn():
+            log.append(name)
+            time.sleep(seconds)
+        return fn
+
+    timings = helpers.interleaved_timings({"a": make("a", 0.002), "b": make("b")}, rounds=2,
+                                          block=3, settle=1, warmup=1)
+    assert log == ["a", "b"] + (["a"] * 4 + ["b"] * 4) * 2  # warm-up, then settle + block
+    assert [len(t.samples_ms) for t in timings.values()] == [2, 2]
+    assert min(timings["a"].samples_ms) >= 2.0  # per call: a sleep never ends early
+    assert timings["a"].method == "host clock, synchronised, in turns"
+
+
+def test_ratios_by_round_pair_the_rounds():
+    slow = helpers.Timing((4.0, 6.0, 9.0), "test")
+    fast = helpers.Timing((2.0, 3.0, 3.0), "test")
+    assert helpers.ratios_by_round(slow, fast) == [2.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="numbers of rounds"):
+        helpers.ratios_by_round(slow, helpers.Timing((1.0,), "test"))
+
+
 def test_format_bytes():
     assert [helpers.format_bytes(n) for n in (512, 4096, 3 << 20, 1 << 30)] == [
         "512 B", "4 KiB", "3 MiB", "1 GiB"]
@@ -1690,8 +1715,18 @@ def test_an_in_memory_file_system_keeps_its_pages_and_the_eviction_says_so():
         assert helpers.evict_from_page_cache(f.name) > 0.95
 
 
+def _ones_in_fresh_pages(nbytes):
+    # Anonymous pages straight from the kernel, first touched by fill_: torch.ones could get a
+    # block that malloc already faulted in and kept (glibc raises its mmap threshold after a
+    # large free), and then take no fault at all, depending on what ran before
+    import mmap
+
+    ones = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # keeps the mapping
+    return ones.fill_(1)
+
+
 def test_io_probe_counts_first_touch_faults_and_what_comes_from_the_disk(tmp_path):
-    fresh = helpers.io_probe(lambda: torch.ones(16 * 2**20, dtype=torch.uint8))
+    fresh = helpers.io_probe(lambda: _ones_in_fresh_pages(16 * 2**20))
     assert fresh.minor_faults >= 8 and fresh.major_faults == 0  # a page per 2 MiB at least
     assert fresh.result.sum().item() == 16 * 2**20 and "page faults" in str(fresh)
     path = tmp_path / "data.bin"

@@ -210,7 +210,7 @@ CHECKED = "# NBVAL_CHECK_OUTPUT"
 #: nbval then compares another text on another host. A notebook leaves this list when its
 #: claims move to helpers.claim_where (issue 19) at its next GPU run; none joins it (12 was
 #: executed before claim_where existed).
-STILL_BRANCHING = frozenset({"06_dataloader_pinning.ipynb", "12_checkpoint_loading.ipynb"})
+STILL_BRANCHING: frozenset = frozenset()
 
 
 def branches(source: str) -> list[str]:
