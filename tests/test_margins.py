@@ -196,12 +196,7 @@ def test_the_margins_file_is_generated_and_sorted():
 #: Notebooks whose margin runs for their current code are not in tests/margins.json yet. The
 #: set may only shrink: a notebook leaves it once `nbtool.py margins` (or pytest with a claim
 #: log) has run it MARGIN_RUNS times with all CPUs and MARGIN_RUNS times on 2 CPUs.
-MARGINS_PENDING = frozenset({
-    "00_timing_async_work.ipynb", "02_bus_bandwidth.ipynb", "04_overlap.ipynb",
-    "05_device_to_host.ipynb",
-    "06_dataloader_pinning.ipynb", "07_prefetching.ipynb", "08_tensordict_threads.ipynb",
-    "09_training_step.ipynb", "11_activation_offload.ipynb", "12_checkpoint_loading.ipynb",
-})
+MARGINS_PENDING: frozenset = frozenset()
 
 
 @pytest.fixture(params=nbtool.notebook_paths(), ids=lambda p: p.name)
