@@ -549,6 +549,11 @@ def per_step_ms(make_batches: Callable[[], Iterable], step: Callable[[object], o
     return statistics.median(per_epoch[1:])
 
 
+# Taking turns: a loop's epochs (notebook 07), gated pairs of copies (notebook 04) and blocks of
+# calls (notebooks 09, 11) timed alternately, so that a slow spell of a shared host falls on
+# every case being compared, not on whichever ran then.
+
+
 def epoch_step_ms(make_batches: Callable[[], Iterable], step: Callable[[object], object], *,
                   skip: int = 2, tail: int = 0) -> float:
     """GPU time per step of one epoch, in ms: ``step(batch)`` over ``make_batches()`` with a CUDA
@@ -1156,6 +1161,9 @@ def overlap_fraction(activities: Sequence[Activity], copy_kinds: Sequence[str] =
     if copy_time == 0:
         raise ValueError(f"no copies of kinds {tuple(copy_kinds)} among the activities")
     return _intersection(copies, kernels) / copy_time
+
+
+# Two kinds of copy in flight at once, and a kind's rate on the timeline (notebook 04)
 
 
 def overlap_between(activities: Sequence[Activity], first: str = "H2D", second: str = "D2H",
