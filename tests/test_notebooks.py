@@ -39,6 +39,52 @@ def test_canonical_format(notebook):
     assert nbtool.format_problems(path, nb, nbtool.settings()) == []
 
 
+def saved_as_jupyterlab_saves(path, destination):
+    """Write ``path`` as JupyterLab 4 saves it after opening it: the running kernel's spec and
+    language_info in the metadata, and the JSON from JavaScript's JSON.stringify (indent 1),
+    which has no float type, so that 20.0 is written 20."""
+    import json
+
+    def javascript_numbers(value):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, dict):
+            return {k: javascript_numbers(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [javascript_numbers(v) for v in value]
+        return value
+
+    saved = javascript_numbers(json.loads(path.read_text(encoding="utf-8")))
+    saved["metadata"]["kernelspec"] = {"display_name": "Python 3 (ipykernel)",
+                                       "language": "python", "name": "python3"}
+    saved["metadata"]["language_info"] = {
+        "codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
+        "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
+        "pygments_lexer": "ipython3", "version": "3.11.7"}
+    destination.write_text(json.dumps(saved, indent=1, ensure_ascii=False) + "\n",
+                           encoding="utf-8")
+    return destination
+
+
+def test_a_notebook_jupyterlab_saved_passes_the_checks(notebook, tmp_path):
+    # A teacher opens a notebook in JupyterLab, autosave rewrites it, then the tests run.
+    path, nb = notebook
+    saved = nbtool.read(saved_as_jupyterlab_saves(path, tmp_path / path.name))
+    assert saved.metadata.kernelspec.display_name == "Python 3 (ipykernel)"  # it did change
+    assert nbtool.format_problems(path, saved, nbtool.settings()) == []
+    assert nbtool.provenance_problems(saved, path.name) == []
+    assert nbtool.headline_texts(saved) == nbtool.headline_texts(nb)
+    conf = nbtool.settings()
+    assert nbtool.readme_table([tmp_path / path.name], conf) == nbtool.readme_table([path], conf)
+
+
+def test_the_format_check_still_wants_the_python3_kernel(notebook):
+    path, nb = notebook
+    other = copy.deepcopy(nb)
+    other.metadata.kernelspec = {"display_name": "R", "language": "R", "name": "ir"}
+    assert any("kernelspec" in p for p in nbtool.format_problems(path, other, nbtool.settings()))
+
+
 def test_outputs_come_from_one_clean_top_to_bottom_run(notebook):
     path, nb = notebook
     counts = [c.execution_count for c in nb.cells if c.cell_type == "code"]

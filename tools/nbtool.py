@@ -465,10 +465,15 @@ helpers.colab_setup()'''
 
 
 CANONICAL_METADATA = {
-    "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
     "accelerator": "GPU",
     "colab": {"gpuType": "T4", "provenance": []},
 }
+# The kernel must be python3, the one nbval and Colab start. Its display name and
+# language_info are left to the front end: JupyterLab rewrites them on opening a notebook
+# ("Python 3 (ipykernel)", the reader's Python version) and saves them, and a notebook it saved
+# must still pass the checks.
+KERNEL = {"name": "python3", "language": "python"}
+NEW_KERNELSPEC = {"display_name": "Python 3", **KERNEL}
 
 
 def is_solution_cell(cell) -> bool:
@@ -639,6 +644,9 @@ def format_problems(path: Path, nb, conf: dict) -> list[str]:
     for key, value in CANONICAL_METADATA.items():
         if nb.metadata.get(key) != value:
             problems.append(f"{name}: metadata.{key} should be {value}")
+    kernelspec = nb.metadata.get("kernelspec", {})
+    if {key: kernelspec.get(key) for key in KERNEL} != KERNEL:
+        problems.append(f"{name}: metadata.kernelspec should name the kernel {KERNEL}")
     cells = nb.cells
     if not cells or cells[0].cell_type != "markdown" or cells[0].source != header_source(
             name, nb, conf):
@@ -656,6 +664,9 @@ def fix(nb, path: Path, conf: dict) -> None:
     """Rewrite the header, the set-up cell and the Colab metadata into canonical form."""
     for key, value in CANONICAL_METADATA.items():
         nb.metadata[key] = value
+    kernelspec = nb.metadata.setdefault("kernelspec", dict(NEW_KERNELSPEC))
+    kernelspec.update(KERNEL)
+    kernelspec.setdefault("display_name", NEW_KERNELSPEC["display_name"])
     header = nbformat.v4.new_markdown_cell(header_source(path.name, nb, conf))
     if nb.cells and nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# "):
         nb.cells[0].source = header.source
