@@ -275,6 +275,44 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+PHONE = {"width": 390, "height": 844}
+NAVIGATION = {"primary": "#pst-primary-sidebar-modal", "secondary": "#pst-secondary-sidebar-modal"}
+
+
+def navigation_problems(browser, url: str, viewport: dict) -> list[str]:
+    """What is wrong with the sidebar buttons a reader sees on ``url``: on a phone (under the
+    themes' 992 px) the menu (primary) and the page's contents (secondary) must each open as a
+    dialog with links in it; wider, the menu button must fold the menu."""
+    page = browser.new_page(viewport=viewport)
+    problems = []
+    try:
+        page.goto(url)
+        phone = viewport["width"] < 992
+        for side, dialog in NAVIGATION.items():
+            shown = [b for b in page.locator(f".{side}-toggle").all() if b.is_visible()]
+            if not shown:
+                if phone or side == "primary":
+                    problems.append(f"{viewport['width']} px: no {side} sidebar button shown")
+                continue
+            folded = "() => document.querySelector('#pst-primary-sidebar')" \
+                     ".classList.contains('pst-sidebar-hidden')"
+            before = page.evaluate(folded)
+            shown[0].click()
+            page.wait_for_timeout(200)
+            if phone:
+                opened = page.evaluate(f"() => document.querySelector('{dialog}').open")
+                links = page.locator(f"{dialog} a").count()
+                if not opened or not links:
+                    problems.append(f"{viewport['width']} px: the {side} button opened no "
+                                    f"dialog with links (open: {opened}, links: {links})")
+                page.keyboard.press("Escape")
+            elif side == "primary" and page.evaluate(folded) == before:
+                problems.append(f"{viewport['width']} px: the menu button did not fold the menu")
+    finally:
+        page.close()
+    return problems
+
+
 @contextmanager
 def serve(folder: Path):
     """Serve ``folder`` on 127.0.0.1 (a free port); yields the origin, http://127.0.0.1:PORT."""
@@ -368,3 +406,23 @@ def test_the_checker_reports_planted_faults(browser, site, tmp_path):
         found["index.html"]
     assert any(p.startswith("solution 1 visible before click") for p in found[second]), \
         found[second]
+
+
+@pytest.mark.parametrize("viewport", [PHONE, VIEWPORT], ids=lambda v: f"{v['width']}px")
+@pytest.mark.parametrize("path", ["index.html", "notebooks/00_timing_async_work.html"])
+def test_the_menu_and_the_contents_open(browser, origin, path, viewport):
+    assert navigation_problems(browser, f"{origin}/{path}", viewport) == []
+
+
+def test_the_navigation_check_fails_without_the_sites_script(browser, site, tmp_path):
+    """The themes alone bind their handlers to buttons readers never see: without site.js's
+    hand-over, the phone's menu and contents stay shut, and the desktop menu never folds."""
+    faulty = tmp_path / "site"
+    shutil.copytree(site, faulty)
+    (faulty / "_static" / "site.js").write_text("", encoding="utf-8")
+    with serve(faulty) as address:
+        url = f"{address}/notebooks/00_timing_async_work.html"
+        phone, desktop = (navigation_problems(browser, url, v) for v in (PHONE, VIEWPORT))
+    assert any("primary button opened no dialog" in p for p in phone), phone
+    assert any("secondary button opened no dialog" in p for p in phone), phone
+    assert any("did not fold the menu" in p for p in desktop), desktop

@@ -9,3 +9,21 @@ document.addEventListener("DOMContentLoaded", () => {
     link.appendChild(img);
   });
 });
+
+// The themes' scripts (sphinx-book-theme 1.4, pydata-sphinx-theme 0.20) bind the sidebar toggles
+// to the first ".primary-toggle" and ".secondary-toggle" of a page, a navbar button that
+// sphinx-book-theme keeps hidden: the buttons readers see did nothing, and on a phone the site
+// had no menu. Their clicks go to the bound buttons, which open the menu and the page's contents
+// (under 992 px) or fold the sidebar (wider).
+document.addEventListener("DOMContentLoaded", () => {
+  ["primary-toggle", "secondary-toggle"].forEach((name) => {
+    const bound = document.querySelector(`.${name}`);
+    document.querySelectorAll(`.${name}`).forEach((button) => {
+      if (button === bound) return;
+      button.addEventListener("click", (event) => {
+        event.preventDefault();
+        bound.click();
+      });
+    });
+  });
+});
