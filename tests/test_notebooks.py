@@ -353,3 +353,29 @@ def test_the_syllabus_gives_reading_time_for_the_core_and_the_whole():
     section = nbtool.teaching_section(NOTEBOOKS, nbtool.settings())
     assert "reading, core / whole" in section
     assert "min of reading on the core paths" in section
+
+
+def test_an_agenda_takes_what_fits_in_reading_order_with_what_each_builds_on():
+    costs = {"00": 20, "01": 20, "02": 30, "03": 25, "04": 10}
+    builds_on = {"01": ["00"], "02": ["01"], "03": ["01", "02"], "04": ["00"]}
+    assert nbtool.agenda(45, costs, builds_on) == ["00", "01"]
+    assert nbtool.agenda(60, costs, builds_on) == ["00", "01", "04"]  # 02 would not fit
+    assert nbtool.agenda(100, costs, builds_on) == ["00", "01", "02", "03"]  # 04 would not
+    assert nbtool.agenda(10, costs, builds_on) == []
+    assert nbtool.agenda(60, costs, {**builds_on, "04": ["03"]}) == ["00", "01"]  # 03 not taken
+
+
+def test_every_agenda_fits_its_minutes_and_brings_what_it_builds_on():
+    conf = nbtool.settings()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    builds_on = {p.name[:2]: nbtool.read(p).metadata[nbtool.METADATA_KEY].get("builds_on", [])
+                 for p in NOTEBOOKS}
+    assert conf["agendas"], "pyproject.toml names no workshop agenda"
+    for name, minutes in conf["agendas"].items():
+        line = next(line for line in readme.splitlines() if line.startswith(f"- **{name}**"))
+        chosen = re.search(r"notebooks ([\d, ]+) \(", line).group(1).split(", ")
+        total = float(re.search(r"\((\d+) of (\d+) minutes", line).group(1))
+        assert total <= minutes, line
+        assert len(chosen) >= 2, line
+        for number in chosen:
+            assert set(builds_on[number]) <= set(chosen), (name, number, builds_on[number])

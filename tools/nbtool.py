@@ -744,6 +744,20 @@ def _minutes(nb) -> float | None:
     return None if not stamp else stamp["wall_seconds"] / 60
 
 
+DISCUSSION_MINUTES = 10  # a notebook's prediction and discussion in a workshop
+
+
+def agenda(minutes: float, costs: dict[str, float], builds_on: dict[str, list[str]]) -> list[str]:
+    """The notebooks a session of ``minutes`` can hold: in reading order, each taken if every
+    notebook it builds on was taken and its cost (minutes) still fits."""
+    chosen, spent = [], 0.0
+    for number in sorted(costs):
+        if set(builds_on.get(number, [])) <= set(chosen) and spent + costs[number] <= minutes:
+            chosen.append(number)
+            spent += costs[number]
+    return chosen
+
+
 def teaching_section(paths: list[Path], conf: dict) -> str:
     """The syllabus, the agendas and the rules of thumb, from the notebooks' metadata and
     their recorded measurements: regenerated, never typed."""
@@ -767,14 +781,22 @@ def teaching_section(paths: list[Path], conf: dict) -> str:
     agendas = ["", f"Reading time counts {WORDS_A_MINUTE} words or {CODE_LINES_A_MINUTE} lines "
                "of code a minute; the core path is what comes before a notebook's "
                f"\"{GOING_FURTHER[3:]}\" section (the whole notebook where it has none yet).",
-               "", "Suggested agendas (GPU time is the committed runs' wall time; allow about "
-               "ten minutes of discussion and prediction per notebook):", ""]
-    for agenda, numbers in conf.get("agendas", {}).items():
-        minutes = sum(_minutes(notebooks[n][1]) or 0 for n in numbers if n in notebooks)
-        read_core = sum(reading.get(n, 0) for n in numbers)
-        agendas.append(f"- **{agenda}**: notebooks {', '.join(numbers)} "
-                       f"({minutes:.1f} min of GPU time, {read_core:.0f} min of reading "
-                       "on the core paths, in all)")
+               "", "Suggested agendas, computed to fit their time: each notebook's core path "
+               f"read, {DISCUSSION_MINUTES} minutes of prediction and discussion, and its GPU "
+               "time (the committed run's wall time); notebooks are taken in reading order, "
+               "each with every notebook it builds on:", ""]
+    costs = {n: reading[n] + DISCUSSION_MINUTES + (_minutes(nb) or 0)
+             for n, (_, nb) in notebooks.items()}
+    builds_on = {n: nb.metadata.get(METADATA_KEY, {}).get("builds_on", [])
+                 for n, (_, nb) in notebooks.items()}
+    for name, budget in conf.get("agendas", {}).items():
+        chosen = agenda(budget, costs, builds_on)
+        gpu = sum(_minutes(notebooks[n][1]) or 0 for n in chosen)
+        agendas.append(f"- **{name}**: notebooks {', '.join(chosen)} "
+                       f"({sum(costs[n] for n in chosen):.0f} of {budget} minutes: "
+                       f"{sum(reading[n] for n in chosen):.0f} of reading on the core paths, "
+                       f"{DISCUSSION_MINUTES * len(chosen)} of discussion, {gpu:.1f} of GPU "
+                       "time)")
     rules = ["", "### Rules of thumb", "",
              "Each rule cites the measurement that supports it, from the notebook's committed "
              "run.", ""]
