@@ -352,7 +352,7 @@ def test_a_script_written_to_a_file_is_not_a_long_cell():
 def test_the_syllabus_gives_reading_time_for_the_core_and_the_whole():
     section = nbtool.teaching_section(NOTEBOOKS, nbtool.settings())
     assert "reading, core / whole" in section
-    assert "min of reading on the core paths" in section
+    assert "of reading on the core paths" in section
 
 
 def test_an_agenda_takes_what_fits_in_reading_order_with_what_each_builds_on():
