@@ -379,3 +379,24 @@ def test_every_agenda_fits_its_minutes_and_brings_what_it_builds_on():
         assert len(chosen) >= 2, line
         for number in chosen:
             assert set(builds_on[number]) <= set(chosen), (name, number, builds_on[number])
+
+
+def test_the_set_up_cell_says_in_one_line_where_the_collection_is_not_published(tmp_path):
+    # On Colab a notebook downloads helpers.py from the address in [tool.collection]; where
+    # nothing is published there (a fork, a rename), the reader gets one line, not urllib's
+    # traceback.
+    conf = nbtool.settings()
+    script = (
+        "import sys, types, urllib.error, urllib.request\n"
+        "sys.modules['google.colab'] = types.ModuleType('google.colab')\n"
+        "def not_found(url, *args, **kwargs):\n"
+        "    raise urllib.error.HTTPError(url, 404, 'Not Found', None, None)\n"
+        "urllib.request.urlretrieve = not_found\n"
+        f"exec(compile({nbtool.setup_source(conf)!r}, 'set-up cell', 'exec'))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    message = done.stderr.strip()
+    assert len(message.splitlines()) == 1, message
+    assert conf["repository"] in message and "404" in message
+    assert "[tool.collection]" in message

@@ -457,7 +457,12 @@ if "google.colab" in sys.modules and not os.path.exists("helpers.py"):
     import urllib.request
 
     helpers_url = "{raw}"
-    urllib.request.urlretrieve(helpers_url, "helpers.py")
+    try:
+        urllib.request.urlretrieve(helpers_url, "helpers.py")
+    except OSError as error:  # HTTP 404 where the collection is not published at that address
+        raise SystemExit(f"cannot download helpers.py from {{helpers_url}} ({{error}}): is the "
+                         "collection published there? ([tool.collection] in pyproject.toml)"
+                         ) from None
 sys.path.insert(0, ".." if os.path.exists("../helpers.py") else ".")
 import helpers  # noqa: E402
 
