@@ -1166,9 +1166,13 @@ def site_notebook(nb, name: str, conf: dict):
     return nb
 
 
+MAINTAINERS_FROM = "## Test"  # the README's sections from here on are for maintainers
+
+
 def site_landing_page(readme: str, paths: list[Path], conf: dict) -> str:
-    """The README as the site's first page: notebooks and figures link within the site, other
-    files of the repository to GitHub; a table of contents in notebook order."""
+    """The README's sections for readers as the site's first page (the notebooks, teaching,
+    set-up; testing and building stay on GitHub): notebooks and figures link within the site,
+    other files of the repository to GitHub; a table of contents in notebook order."""
     local = {f"notebooks/{p.name}" for p in paths}
 
     def link(match: re.Match) -> str:
@@ -1177,7 +1181,15 @@ def site_landing_page(readme: str, paths: list[Path], conf: dict) -> str:
             return match.group(0)
         return f"{match.group(1)}{github_url(target, conf)}{match.group(3) or ''}{match.group(4)}"
 
-    text = _RELATIVE_LINK.sub(link, readme).replace(COLAB_BADGE, SITE_BADGE)
+    readers, _, _ = readme.partition(MAINTAINERS_FROM)  # testing and building: on GitHub
+    readers += ("## How close the claims come to failing\n\nEach notebook checks its results "
+                "with claims; a timing claim's margin is how far its measured value stayed from "
+                "failing (1.0: at the threshold), the worst over the recorded runs with all the "
+                "host's CPUs and with two (a free Colab runtime's):\n\n"
+                f"{margins_table(paths)}\n\nTesting the notebooks, regenerating their outputs "
+                f"and building this site: see the [README on GitHub]"
+                f"({github_url('README.md', conf)}).\n")
+    text = _RELATIVE_LINK.sub(link, readers).replace(COLAB_BADGE, SITE_BADGE)
     entries = "\n".join(f"notebooks/{p.stem}" for p in paths)
     return f"{text.rstrip()}\n\n```{{toctree}}\n:hidden:\n:caption: Notebooks\n\n{entries}\n```\n"
 
