@@ -400,3 +400,17 @@ def test_the_set_up_cell_says_in_one_line_where_the_collection_is_not_published(
     assert len(message.splitlines()) == 1, message
     assert conf["repository"] in message and "404" in message
     assert "[tool.collection]" in message
+
+
+def test_the_answer_after_a_solution_is_folded_in_jupyterlab_too(notebook):
+    path, nb = notebook
+    if not nbtool.answer_cells(nb):
+        pytest.skip(f"{path.name}: no answer in words after its solution")
+    shown = copy.deepcopy(nb)
+    shown.cells[nbtool.answer_cells(nb)[0]].metadata["jupyter"]["source_hidden"] = False
+    assert any("the answer after a solution is hidden" in p
+               for p in nbtool.solution_problems(path.name, shown))
+    outputs = copy.deepcopy(nb)
+    solution = next(c for c in outputs.cells if nbtool.is_solution_cell(c))
+    solution.metadata["jupyter"].pop("outputs_hidden")
+    assert any("outputs are hidden too" in p for p in nbtool.solution_problems(path.name, outputs))

@@ -426,3 +426,21 @@ def test_the_navigation_check_fails_without_the_sites_script(browser, site, tmp_
     assert any("primary button opened no dialog" in p for p in phone), phone
     assert any("secondary button opened no dialog" in p for p in phone), phone
     assert any("did not fold the menu" in p for p in desktop), desktop
+
+
+@pytest.mark.parametrize("spec", expected_pages()[1:], ids=lambda s: s.path)
+def test_the_answer_after_a_solution_stays_folded_until_clicked(browser, origin, spec):
+    nb = nbtool.read(nbtool.NOTEBOOKS / Path(spec.path).with_suffix(".ipynb").name)
+    page = browser.new_page(viewport=VIEWPORT)
+    try:
+        page.goto(f"{origin}/{spec.path}")
+        answers = page.locator("details.answer")
+        assert answers.count() == len(nbtool.answer_cells(nb))
+        for index in range(answers.count()):
+            answer = answers.nth(index)
+            text = answer.locator("p").first
+            assert not text.is_visible(), f"answer {index + 1} visible before click"
+            answer.locator("summary").click()
+            assert text.is_visible(), f"answer {index + 1} not shown after click"
+    finally:
+        page.close()

@@ -485,6 +485,16 @@ def is_solution_cell(cell) -> bool:
     return cell.cell_type == "code" and SOLUTION_TAG in cell.metadata.get("tags", [])
 
 
+def answer_cells(nb) -> list[int]:
+    """The markdown cells right after a solution that do not open with a heading: the
+    exercise's answer in words, folded with the solution so that a reader meets it only after
+    trying."""
+    cells = nb.cells
+    return [i + 1 for i, cell in enumerate(cells[:-1])
+            if is_solution_cell(cell) and cells[i + 1].cell_type == "markdown"
+            and not cells[i + 1].source.lstrip().startswith("#")]
+
+
 def solution_problems(name: str, nb) -> list[str]:
     """A workshop notebook ends with an exercise and a worked solution: a code cell tagged
     ``solution``, hidden until asked for (JupyterLab: source_hidden; Colab: a form titled
@@ -514,6 +524,16 @@ def solution_problems(name: str, nb) -> list[str]:
                             "cellView: form)")
         if "helpers.claim(" not in cell.source:
             problems.append(f"{name}, cell {i}: a solution checks its result with helpers.claim")
+        if cell.metadata.get("jupyter", {}).get("outputs_hidden") is not True:
+            problems.append(f"{name}, cell {i}: a solution's outputs are hidden too "
+                            "(jupyter.outputs_hidden): they hold the answer")
+    for i in answer_cells(nb):
+        if cells[i].metadata.get("jupyter", {}).get("source_hidden") is not True:
+            problems.append(f"{name}, cell {i}: the answer after a solution is hidden "
+                            "(jupyter.source_hidden)")
+        if any(line.startswith("#") for line in cells[i].source.splitlines()):
+            problems.append(f"{name}, cell {i}: the answer after a solution holds no heading: "
+                            "what follows it starts a cell of its own")
     return problems
 
 
@@ -538,9 +558,10 @@ def teaching_problems(name: str, nb) -> list[str]:
 
 
 def _counted_cells(nb) -> list[tuple[int, object]]:
-    """The cells a reader reads: all but the set-up cell and the hidden solutions."""
+    """The cells a reader reads: all but the set-up cell and the hidden solutions and answers."""
+    answers = set(answer_cells(nb))
     return [(i, c) for i, c in enumerate(nb.cells)
-            if not is_setup_cell(c) and not is_solution_cell(c)]
+            if not is_setup_cell(c) and not is_solution_cell(c) and i not in answers]
 
 
 def _words(text: str) -> int:
@@ -677,6 +698,8 @@ def fix(nb, path: Path, conf: dict) -> None:
         nb.cells[0].source = header.source
     else:
         nb.cells.insert(0, header)
+    for i in answer_cells(nb):
+        nb.cells[i].metadata.setdefault("jupyter", {})["source_hidden"] = True
     if len(nb.cells) > 1 and is_setup_cell(nb.cells[1]):
         nb.cells[1].source = setup_source(conf)
     else:
@@ -687,7 +710,8 @@ def fix(nb, path: Path, conf: dict) -> None:
             tags.append(tag)
     for cell in nb.cells:
         if is_solution_cell(cell):
-            cell.metadata.setdefault("jupyter", {})["source_hidden"] = True
+            cell.metadata.setdefault("jupyter", {}).update(source_hidden=True,
+                                                           outputs_hidden=True)
             cell.metadata["cellView"] = "form"
             if cell.source.startswith("# Solution\n"):
                 cell.source = SOLUTION_TITLE + cell.source[len("# Solution"):]
@@ -1127,6 +1151,7 @@ SITE = ROOT / "_site"  # the built site (ignored by git)
 SITE_CONFIG = ROOT / "tools" / "site"  # Sphinx's conf.py, the stylesheet, the local badge
 SITE_BADGE = "/_assets/colab-badge.svg"  # the badge, served by the site itself (srcdir-absolute)
 HIDE_TAG = "hide-cell"  # myst-nb folds a cell so tagged, source and outputs, behind a click
+ANSWER_SUMMARY = "Show the answer"  # the fold of the answer in words, after a solution
 _RELATIVE_LINK = re.compile(r"(\]\()(?!https?:|mailto:|#)([^)\s#]+)(#[^)\s]*)?(\))")
 
 
@@ -1161,6 +1186,9 @@ def site_notebook(nb, name: str, conf: dict):
     for cell in nb.cells:
         if is_solution_cell(cell):
             cell.metadata.setdefault("tags", []).append(HIDE_TAG)
+    for i in answer_cells(nb):  # folded as the solution is, behind its own click
+        nb.cells[i].source = (f'<details class="answer">\n<summary>{ANSWER_SUMMARY}</summary>'
+                              f"\n\n{nb.cells[i].source}\n\n</details>")
     nb.cells[0].source = nb.cells[0].source.replace(COLAB_BADGE, SITE_BADGE)
     nb.cells.insert(1, nbformat.v4.new_markdown_cell(provenance_markdown(name, nb, conf)))
     return nb
