@@ -444,3 +444,17 @@ def test_the_answer_after_a_solution_stays_folded_until_clicked(browser, origin,
             assert text.is_visible(), f"answer {index + 1} not shown after click"
     finally:
         page.close()
+
+
+@pytest.mark.parametrize("path", ["index.html", "notebooks/00_timing_async_work.html"])
+def test_every_block_of_code_has_a_copy_button_and_no_output_has_one(browser, origin, path):
+    page = browser.new_page(viewport=VIEWPORT)
+    try:
+        page.goto(f"{origin}/{path}")
+        code = page.locator("div.highlight pre").count() \
+            - page.locator("div.cell_output div.highlight pre").count()
+        assert code > 0
+        assert page.locator("button.copybtn").count() == code
+        assert page.locator("div.cell_output button.copybtn").count() == 0
+    finally:
+        page.close()

@@ -18,7 +18,9 @@ project = nbtool.site_title()
 author = _conf["repository"].split("/")[0]
 copyright = author
 root_doc = "index"
-extensions = ["myst_nb"]
+extensions = ["myst_nb", "sphinx_copybutton"]
+# A copy button on every block of code (cells, the README's commands), none on outputs.
+copybutton_selector = "div.highlight pre:not(div.cell_output pre)"
 exclude_patterns = ["**.ipynb_checkpoints"]
 
 # The notebooks: shown as committed, never run here (CI has no GPU).
