@@ -25,6 +25,7 @@ CPU_OK_TAG = "cpu-ok"
 _failed_notebooks: set[str] = set()
 _own_figures_dir: str | None = None
 _claim_log_dir: str | None = None
+_claims_logged_for: str | None = None  # the notebook whose kernel the environment names
 
 
 def pytest_configure(config):
@@ -90,7 +91,10 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.hookimpl(tryfirst=True)  # before nbval starts the notebook's kernel
 def pytest_runtest_setup(item):
-    if _claim_log_dir is not None and _is_notebook_cell(item):
+    global _claims_logged_for
+    if _claim_log_dir is not None and _is_notebook_cell(item) \
+            and item.parent.nodeid != _claims_logged_for:  # once per notebook: hashing helpers
         _log_claims_of(item)
+        _claims_logged_for = item.parent.nodeid
     if _is_notebook_cell(item) and item.parent.nodeid in _failed_notebooks:
         pytest.skip("an earlier cell of this notebook failed")

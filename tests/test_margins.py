@@ -164,18 +164,21 @@ def test_a_margin_run_records_every_claim_and_a_failure_does_not_stop_it(tmp_pat
 
 def test_nbval_with_a_claim_log_records_and_still_fails_the_claim(tmp_path):
     path = _claims_notebook(tmp_path / "00_claims.ipynb")
+    other = _claims_notebook(tmp_path / "01_claims.ipynb")
     log = tmp_path / "claims.jsonl"
     env = {**os.environ, "COLLECTION_CLAIM_LOG": str(log),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p",
                            "no:cacheprovider", "--nbval-lax", "-q", "--rootdir", str(tmp_path),
-                           str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+                           str(path), str(other)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 1, done.stdout[-2000:]  # the false claim fails its cell
     assert "ClaimFailed" in done.stdout
     runs = nbtool.runs_from_log(nbtool.read_claim_log(log))
-    assert len(runs) == 1 and runs[0]["source"] == "nbval"
-    assert [c["holds"] for c in runs[0]["claims"]] == [True, False]  # then the notebook stops
+    assert [r["notebook"] for r in runs] == ["00_claims.ipynb", "01_claims.ipynb"]  # a kernel each
+    for run in runs:
+        assert run["source"] == "nbval"
+        assert [c["holds"] for c in run["claims"]] == [True, False]  # then the notebook stops
 
 
 # ---------------------------------------------------------------- the committed file
