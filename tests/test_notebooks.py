@@ -414,3 +414,62 @@ def test_the_answer_after_a_solution_is_folded_in_jupyterlab_too(notebook):
     solution = next(c for c in outputs.cells if nbtool.is_solution_cell(c))
     solution.metadata["jupyter"].pop("outputs_hidden")
     assert any("outputs are hidden too" in p for p in nbtool.solution_problems(path.name, outputs))
+
+
+def _figure_cell(names: list[str], texts: dict) -> nbformat.NotebookNode:
+    """A code cell that saves and shows one figure per name, a text line before each."""
+    source = "\n".join(f'helpers.save_figure(fig, "{name}")' for name in names)
+    outputs = []
+    for name in names:
+        outputs.append(nbformat.v4.new_output("display_data", {"text/plain": f"before {name}"}))
+        outputs.append(nbformat.v4.new_output("display_data", {"image/png": "iVBOR",
+                                                                 "text/plain": "<Figure>"}))
+    cell = nbformat.v4.new_code_cell(source, outputs=outputs)
+    cell.metadata[nbtool.METADATA_KEY] = {nbtool.FIGURE_TEXTS: texts}
+    return cell
+
+
+ALT = {"alt": "Bar chart of four clocks timing one copy.",
+       "caption": "Only the synchronized clocks see the copy."}
+
+
+def test_every_figure_needs_alt_text_and_a_caption_in_words():
+    nb = nbformat.v4.new_notebook(cells=[_figure_cell(["00_a", "00_b"], {"00_a": ALT})])
+    problems = nbtool.figure_problems("00_x.ipynb", nb)
+    assert any("'00_b' needs its alt" in p for p in problems), problems
+    assert any("'00_b' needs its caption" in p for p in problems), problems
+    nb.cells[0].metadata[nbtool.METADATA_KEY][nbtool.FIGURE_TEXTS]["00_b"] = {
+        "alt": "the figure ../_images/0123.png drawn", "caption": ALT["caption"]}
+    assert any("not a file name" in p for p in nbtool.figure_problems("00_x.ipynb", nb))
+    nb.cells[0].metadata[nbtool.METADATA_KEY][nbtool.FIGURE_TEXTS]["00_b"] = ALT
+    assert nbtool.figure_problems("00_x.ipynb", nb) == []
+    nb.cells[0].outputs.pop()  # one figure shown, two saved
+    assert any("1 figure(s) shown, 2 saved" in p for p in nbtool.figure_problems("00_x", nb))
+
+
+def test_the_site_shows_each_figure_alone_with_its_caption_and_the_rest_in_order():
+    cell = _figure_cell(["00_a", "00_b"], {"00_a": ALT, "00_b": ALT})
+    parts = nbtool.figure_cells(cell)
+    assert [p.source == cell.source for p in parts] == [True, False, False, False]
+    assert all(nbtool.REMOVE_INPUT_TAG in p.metadata.get("tags", []) for p in parts[1:])
+    assert [o for p in parts for o in p.outputs] == cell.outputs  # nothing lost or reordered
+    captioned = [p for p in parts if "mystnb" in p.metadata]
+    assert [p.metadata["mystnb"]["figure"]["name"] for p in captioned] == ["fig-00_a", "fig-00_b"]
+    assert all(len(p.outputs) == 1 and "image/png" in p.outputs[0]["data"] for p in captioned)
+
+
+def test_the_site_joins_a_cells_record_lines_into_one_block():
+    lines = [nbformat.v4.new_output("display_data", {"text/plain": f"line {i}"}) for i in range(3)]
+    figure = nbformat.v4.new_output("display_data", {"image/png": "iVBOR", "text/plain": "F"})
+    merged = nbtool.merged_text_displays([*lines, figure, lines[0]])
+    assert [o["data"]["text/plain"] for o in merged] == ["line 0\nline 1\nline 2", "F", "line 0"]
+    assert lines[0]["data"]["text/plain"] == "line 0"  # the notebook's outputs stay as they are
+
+
+def test_the_site_shows_the_set_up_cell_without_its_output(notebook):
+    path, nb = notebook
+    staged = nbtool.site_notebook(nb, path.name, nbtool.settings())
+    setup = next(c for c in staged.cells if nbtool.is_setup_cell(c))
+    assert nbtool.REMOVE_OUTPUT_TAG in setup.metadata["tags"]
+    assert nbtool.REMOVE_OUTPUT_TAG not in next(
+        c for c in nb.cells if nbtool.is_setup_cell(c)).metadata["tags"]

@@ -34,10 +34,13 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync"]
 VIEWPORT = {"width": 1400, "height": 900}
+PHONE = {"width": 390, "height": 844}
 SCREENSHOTS = nbtool.ROOT / "_site_screenshots"
 SCREENSHOT_PAGES = ("index.html", "notebooks/07_prefetching.html")
-#: a figure narrower than this on screen (or than itself, if smaller) is too small to read
-READABLE_PX = 700
+SITE_JS = nbtool.SITE_CONFIG / "static" / "site.js"
+#: the share of its own size below which a figure's text is too small to read (site.js keeps it)
+READABLE_SCALE = float(re.search(r"const READABLE_SCALE = ([0-9.]+);",
+                                 SITE_JS.read_text(encoding="utf-8")).group(1))
 SEARCH_WORD = "pinned"
 
 
@@ -148,8 +151,44 @@ _IMAGES_JS = """async () => {
   })));
   return images.map(i => ({src: i.currentSrc || i.src, natural: i.naturalWidth,
                            shown: i.getBoundingClientRect().width,
-                           figure: !!i.closest('.cell_output'), alt: i.alt}));
+                           figure: !!i.closest('.cell_output'), alt: i.alt,
+                           caption: (i.closest('figure')?.querySelector('figcaption')
+                                     ?.innerText || '').trim()}));
 }"""
+_LAYOUT_JS = """() => {
+  const wide = [...document.querySelectorAll('div.highlight pre, div.cell_output pre')]
+    .filter(b => b.scrollWidth > b.clientWidth + 1)
+    .map(b => b.textContent.split('\\n').reduce((a, l) => l.length > a.length ? l : a, ''));
+  return {page: document.documentElement.scrollWidth, wide: wide};
+}"""
+
+
+def figure_problems(image: dict, viewport: dict) -> list[str]:
+    """A figure is never shown under READABLE_SCALE of its size, says in words what it shows
+    (alt text, not its file name) and has a caption."""
+    problems = []
+    name = image["src"].rsplit("/", 1)[-1]
+    if image["shown"] < image["natural"] * READABLE_SCALE - 1:
+        problems.append(f"{viewport['width']} px: figure too small to read: {name} shown "
+                        f"{image['shown']:.0f} px wide of {image['natural']}")
+    if len(image["alt"].split()) < 4 or image["alt"].endswith(".png"):
+        problems.append(f"figure without alt text: {name} (alt '{image['alt']}')")
+    if not image["caption"]:
+        problems.append(f"figure without a caption: {name}")
+    return problems
+
+
+def layout_problems(page, viewport: dict) -> list[str]:
+    """No page is wider than the screen; on a wide screen (1400 px) no block of code or output
+    scrolls sideways (on a phone such a block scrolls in its own box)."""
+    layout = page.evaluate(_LAYOUT_JS)
+    problems = []
+    if layout["page"] > viewport["width"]:
+        problems.append(f"{viewport['width']} px: the page is {layout['page']} px wide")
+    if viewport["width"] >= VIEWPORT["width"]:
+        problems += [f"{viewport['width']} px: a block wider than the column: '{line.strip()}'"
+                     for line in layout["wide"]]
+    return problems
 
 
 def _squeezed(text: str) -> str:
@@ -189,11 +228,12 @@ def solution_problems(page, solutions: list[Solution]) -> list[str]:
 
 
 def check_page(browser, site: Path, origin: str, spec: PageSpec,
-               screenshot: Path | None = None) -> list[str]:
-    """What is wrong with one page of the site: console errors, requests to another host or
-    failing, images not loaded or too small, broken internal links, expected text or links
-    missing, solutions not folded. An empty list: nothing."""
-    context = browser.new_context(viewport=VIEWPORT)
+               screenshot: Path | None = None, viewport: dict = VIEWPORT) -> list[str]:
+    """What is wrong with one page of the site at one screen width: console errors, requests to
+    another host or failing, images not loaded, figures too small or without alt text or
+    caption, a page wider than the screen or code wider than the column, broken internal
+    links, expected text or links missing, solutions not folded. An empty list: nothing."""
+    context = browser.new_context(viewport=viewport)
     page = context.new_page()
     problems: list[str] = []
 
@@ -218,11 +258,11 @@ def check_page(browser, site: Path, origin: str, spec: PageSpec,
         for image in page.evaluate(_IMAGES_JS):
             if image["natural"] == 0:
                 problems.append(f"image not loaded: {image['src']}")
-            elif image["figure"] and image["shown"] < min(image["natural"], READABLE_PX) - 1:
-                problems.append(f"figure too small: {image['src']} shown {image['shown']:.0f} "
-                                f"px wide of {image['natural']}")
+            elif image["figure"]:
+                problems += figure_problems(image, viewport)
             elif image["alt"] == "Open In Colab" and image["shown"] < image["natural"] - 1:
                 problems.append(f"badge squeezed: {image['shown']:.0f} px wide")
+        problems += layout_problems(page, viewport)
         hrefs = page.eval_on_selector_all("a[href]", "links => links.map(a => a.href)")
         problems += link_problems(site, origin, hrefs)
         for link in spec.links:
@@ -275,7 +315,6 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-PHONE = {"width": 390, "height": 844}
 NAVIGATION = {"primary": "#pst-primary-sidebar-modal", "secondary": "#pst-secondary-sidebar-modal"}
 
 
@@ -356,11 +395,12 @@ def origin(site):
 # ---------------------------------------------------------------------------- the tests
 
 
+@pytest.mark.parametrize("viewport", [PHONE, VIEWPORT], ids=lambda v: f"{v['width']}px")
 @pytest.mark.parametrize("spec", expected_pages(), ids=lambda s: s.path)
-def test_page(browser, site, origin, spec):
-    shot = SCREENSHOTS / spec.path.replace("/", "_").replace(".html", ".png") \
-        if spec.path in SCREENSHOT_PAGES else None
-    assert check_page(browser, site, origin, spec, shot) == []
+def test_page(browser, site, origin, spec, viewport):
+    name = f"{spec.path.replace('/', '_').replace('.html', '')}_{viewport['width']}.png"
+    shot = SCREENSHOTS / name if spec.path in SCREENSHOT_PAGES else None
+    assert check_page(browser, site, origin, spec, shot, viewport) == []
 
 
 def test_search_finds_the_notebooks(browser, origin):
@@ -458,3 +498,33 @@ def test_every_block_of_code_has_a_copy_button_and_no_output_has_one(browser, or
         assert page.locator("div.cell_output button.copybtn").count() == 0
     finally:
         page.close()
+
+
+def test_the_layout_check_reports_planted_faults(browser, site, tmp_path):
+    """A figure without alt text or caption, a word that widens the page on a phone, a line of
+    code wider than the column at 1400 px, and figures left to shrink on a phone (site.js
+    gone) each make the check fail, and name what is wrong."""
+    faulty = tmp_path / "site"
+    shutil.copytree(site, faulty)
+    spec = expected_pages()[4]
+    path = faulty / spec.path
+    text = path.read_text(encoding="utf-8")
+    text = re.sub(r'(<figure[^>]*>\s*<img alt=")[^"]*"', r'\1"', text, count=1)
+    text = re.sub(r"<figcaption>.*?</figcaption>", "", text, count=1, flags=re.S)
+    long_word = "x" * 60  # about 500 px: wider than a phone, not than the desktop column
+    text = re.sub(r"(<article[^>]*>)", rf'\1<p style="white-space: nowrap">{long_word}</p>',
+                  text, count=1)
+    text = re.sub(r'(<div class="cell_input[^"]*">\s*<div class="highlight[^"]*">'
+                  r'<div class="highlight"><pre>)', rf"\1{'y' * 130}\n", text, count=1)
+    path.write_text(text, encoding="utf-8")
+    (faulty / "_static" / "site.js").write_text("", encoding="utf-8")
+    with serve(faulty) as address:
+        phone, desktop = (check_page(browser, faulty, address, spec, viewport=v)
+                          for v in (PHONE, VIEWPORT))
+    assert any(p.startswith("figure without alt text") for p in desktop), desktop
+    assert any(p.startswith("figure without a caption") for p in desktop), desktop
+    assert any(p.startswith("390 px: the page is") for p in phone), phone
+    assert not any("the page is" in p for p in desktop), desktop
+    assert any("a block wider than the column" in p and "y" * 130 in p for p in desktop), desktop
+    assert any(p.startswith("390 px: figure too small to read") for p in phone), phone
+    assert not any("too small to read" in p for p in desktop), desktop

@@ -447,7 +447,6 @@ def header_source(name: str, nb, conf: dict) -> str:
 
 
 def setup_source(conf: dict) -> str:
-    raw = f"https://raw.githubusercontent.com/{conf['repository']}/{conf['branch']}/helpers.py"
     return f'''\
 # Set-up: find helpers.py (on Colab: download it, and install what Colab lacks, never torch).
 import os
@@ -456,7 +455,8 @@ import sys
 if "google.colab" in sys.modules and not os.path.exists("helpers.py"):
     import urllib.request
 
-    helpers_url = "{raw}"
+    repository = "{conf['repository']}"  # where the collection is published
+    helpers_url = f"https://raw.githubusercontent.com/{{repository}}/{conf['branch']}/helpers.py"
     try:
         urllib.request.urlretrieve(helpers_url, "helpers.py")
     except OSError as error:  # HTTP 404 where the collection is not published at that address
@@ -534,6 +534,59 @@ def solution_problems(name: str, nb) -> list[str]:
         if any(line.startswith("#") for line in cells[i].source.splitlines()):
             problems.append(f"{name}, cell {i}: the answer after a solution holds no heading: "
                             "what follows it starts a cell of its own")
+    return problems
+
+
+_SAVED_FIGURE = re.compile(r"""save_figure\(\s*\w+\s*,\s*["']([^"']+)["']""")
+FIGURE_TEXTS = "figures"  # cell metadata: collection.figures = {name: {"alt": ..., "caption": ...}}
+FIGURE_TEXT_LIMITS = {"alt": 250, "caption": 400}  # characters
+
+
+def image_outputs(cell) -> list[int]:
+    """The indices of a code cell's outputs that are figures (PNG images)."""
+    return [i for i, output in enumerate(cell.get("outputs", []))
+            if "image/png" in output.get("data", {})]
+
+
+def saved_figures(cell) -> list[str]:
+    """The names a cell saves its figures under (``helpers.save_figure(fig, "NAME")``), in the
+    order it draws them: the order of its image outputs."""
+    return _SAVED_FIGURE.findall(cell.source) if cell.cell_type == "code" else []
+
+
+def figure_texts(cell) -> list[dict]:
+    """Each figure of a cell, in output order: its name, alt text and caption (the site shows
+    them; a screen reader reads the alt text)."""
+    texts = cell.metadata.get(METADATA_KEY, {}).get(FIGURE_TEXTS, {})
+    return [{"name": name, **texts.get(name, {})} for name in saved_figures(cell)]
+
+
+def figure_problems(name: str, nb) -> list[str]:
+    """Every figure is saved under a name and has alt text and a caption: what it shows, in
+    words, not a file name."""
+    problems = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        images, saved = image_outputs(cell), saved_figures(cell)
+        if len(images) != len(saved):
+            problems.append(f"{name}, cell {i}: {len(images)} figure(s) shown, {len(saved)} "
+                            "saved with helpers.save_figure: one name per figure")
+        known = cell.metadata.get(METADATA_KEY, {}).get(FIGURE_TEXTS, {})
+        for stray in sorted(set(known) - set(saved)):
+            problems.append(f"{name}, cell {i}: figure text for '{stray}', which the cell "
+                            "does not save")
+        for figure in figure_texts(cell):
+            for key, limit in FIGURE_TEXT_LIMITS.items():
+                text = figure.get(key, "")
+                if not isinstance(text, str) or len(text.split()) < 4:
+                    problems.append(f"{name}, cell {i}: figure '{figure['name']}' needs "
+                                    f"its {key} in a sentence (cell metadata {METADATA_KEY}."
+                                    f"{FIGURE_TEXTS})")
+                elif len(text) > limit or re.search(r"\.png\b|_images/", text):
+                    problems.append(f"{name}, cell {i}: figure '{figure['name']}': its {key} "
+                                    f"says what it shows in {limit} characters at most, "
+                                    "not a file name")
     return problems
 
 
@@ -683,7 +736,7 @@ def format_problems(path: Path, nb, conf: dict) -> list[str]:
         problems.append(f"{name}: the second cell should be the canonical set-up cell, tagged "
                         f"{SETUP_TAG} and {CPU_OK_TAG}")
     return (problems + solution_problems(name, nb) + teaching_problems(name, nb)
-            + core_problems(name, nb))
+            + figure_problems(name, nb) + core_problems(name, nb))
 
 
 def fix(nb, path: Path, conf: dict) -> None:
@@ -1151,6 +1204,8 @@ SITE = ROOT / "_site"  # the built site (ignored by git)
 SITE_CONFIG = ROOT / "tools" / "site"  # Sphinx's conf.py, the stylesheet, the local badge
 SITE_BADGE = "/_assets/colab-badge.svg"  # the badge, served by the site itself (srcdir-absolute)
 HIDE_TAG = "hide-cell"  # myst-nb folds a cell so tagged, source and outputs, behind a click
+REMOVE_OUTPUT_TAG = "remove-output"  # myst-nb leaves out the outputs of a cell so tagged
+REMOVE_INPUT_TAG = "remove-input"  # ... or its source
 ANSWER_SUMMARY = "Show the answer"  # the fold of the answer in words, after a solution
 _RELATIVE_LINK = re.compile(r"(\]\()(?!https?:|mailto:|#)([^)\s#]+)(#[^)\s]*)?(\))")
 
@@ -1179,13 +1234,73 @@ def provenance_markdown(name: str, nb, conf: dict) -> str:
     return f"```{{admonition}} The committed run\n:class: provenance\n\n{body}\n\n{link}\n```"
 
 
+def _is_text_display(output) -> bool:
+    return output.get("output_type") == "display_data" and set(output.get("data", {})) == {
+        "text/plain"}
+
+
+def merged_text_displays(outputs: list) -> list:
+    """``outputs`` with each run of plain-text displays (a cell's ``helpers.record`` and
+    ``helpers.claim`` lines) joined into one, shown as one block instead of one box a line."""
+    merged = []
+    for output in outputs:
+        if merged and _is_text_display(output) and _is_text_display(merged[-1]):
+            last = copy.deepcopy(merged[-1])
+            last["data"]["text/plain"] = (f"{last['data']['text/plain'].rstrip()}\n"
+                                          f"{output['data']['text/plain']}")
+            merged[-1] = last
+        else:
+            merged.append(output)
+    return merged
+
+
+def figure_cells(cell) -> list:
+    """A code cell as the site shows it: each figure alone in a cell with its alt text and
+    caption (myst-nb's cell metadata applies to every output of a cell), the other outputs
+    around it in cells of their own, all but the first without the (repeated) source."""
+    texts = iter(figure_texts(cell))
+    if not figure_texts(cell):
+        return [cell]
+    parts, current = [], copy.deepcopy(cell)
+    current.outputs = []
+
+    def continuation():  # myst-nb skips a cell without source, outputs and all
+        return nbformat.v4.new_code_cell("# (outputs of the cell above, continued)",
+                                         metadata={"tags": [REMOVE_INPUT_TAG]})
+
+    for output in cell.outputs:
+        if "image/png" not in output.get("data", {}):
+            current.outputs.append(output)
+            continue
+        if current.outputs:
+            parts.append(current)
+            current = continuation()
+        text = next(texts)
+        current.outputs = [output]
+        current.metadata["mystnb"] = {"image": {"alt": text["alt"]},
+                                      "figure": {"caption": text["caption"],
+                                                 "name": f"fig-{text['name']}"}}
+        parts.append(current)
+        current = continuation()
+    if current.outputs:
+        parts.append(current)
+    return parts
+
+
 def site_notebook(nb, name: str, conf: dict):
     """The copy of a notebook that the site shows: its solutions folded (the committed ones
-    stay as they are), the badge served locally, the provenance under the header."""
+    stay as they are), each figure captioned, a cell's record lines in one block, the set-up
+    cell without its output (what it installed: nothing, outside Colab), the badge served
+    locally, the provenance under the header."""
     nb = copy.deepcopy(nb)
     for cell in nb.cells:
         if is_solution_cell(cell):
             cell.metadata.setdefault("tags", []).append(HIDE_TAG)
+        if is_setup_cell(cell):
+            cell.metadata.setdefault("tags", []).append(REMOVE_OUTPUT_TAG)
+        if cell.cell_type == "code":
+            cell.outputs = merged_text_displays(cell.get("outputs", []))
+    nb.cells = [part for cell in nb.cells for part in figure_cells(cell)]
     for i in answer_cells(nb):  # folded as the solution is, behind its own click
         nb.cells[i].source = (f'<details class="answer">\n<summary>{ANSWER_SUMMARY}</summary>'
                               f"\n\n{nb.cells[i].source}\n\n</details>")

@@ -1,9 +1,17 @@
-// The collection's site: a figure opens at its full size when clicked.
+// The collection's site: a figure opens at its full size when clicked, and is never shown smaller
+// than READABLE_SCALE of its size, where its smallest text (9 pt drawn at 100 dpi) is still about
+// 8 px tall; where the column is narrower (a phone), it scrolls sideways in its own box.
+const READABLE_SCALE = 0.65;
 document.addEventListener("DOMContentLoaded", () => {
   document.querySelectorAll("div.cell_output img").forEach((img) => {
+    const least = () => {
+      img.style.minWidth = `${Math.round(img.naturalWidth * READABLE_SCALE)}px`;
+    };
+    if (img.complete) least(); else img.addEventListener("load", least);
     if (img.closest("a")) return;
     const link = document.createElement("a");
     link.href = img.getAttribute("src");
+    link.className = "figure-link";
     link.title = "The figure at its full size";
     img.replaceWith(link);
     link.appendChild(img);
