@@ -287,24 +287,46 @@ def check_page(browser, site: Path, origin: str, spec: PageSpec,
     return problems
 
 
-def search_problems(browser, origin: str, word: str, pages: list[str]) -> list[str]:
-    """The site's search (offline, its own index) finds ``word`` on some of ``pages``."""
+#: words of the page's chrome (the header's theme menu, the contents' title) that a search
+#: result's summary, cut from the article, never shows
+CHROME_WORDS = ("Settings", "Light Dark", "Contents")
+_RESULTS_JS = """() => [...document.querySelectorAll('#search-results ul.search li')].map(li => ({
+  page: li.querySelector('a').href.split(/[?#]/)[0],
+  sections: [...li.querySelectorAll('a.search-section')].map(a => a.href),
+  summary: li.querySelector('p.context')?.textContent || ''}))"""
+
+
+def search_problems(browser, site: Path, origin: str, word: str,
+                    pages: list[str]) -> list[str]:
+    """The site's search (offline, its own index) finds ``word`` on some of ``pages``; each
+    result's summary shows the page's text, not its chrome, and most results link the section
+    the word is in (an anchor that exists, in a section that holds the word)."""
     context = browser.new_context(viewport=VIEWPORT)
     page = context.new_page()
     errors = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
     try:
         page.goto(f"{origin}/search.html?q={word}", wait_until="load")
         page.wait_for_selector("#search-results ul.search li a", timeout=15000)
-        found = page.eval_on_selector_all("#search-results ul.search li a",
-                                          "links => links.map(a => a.href.split('?')[0])")
+        page.wait_for_function("() => !document.querySelector('#search-results ul.search li:not("
+                               ":has(p.context))')", timeout=15000)
+        results = page.evaluate(_RESULTS_JS)
     except Exception as error:  # reported as a problem
         return [f"search for '{word}': no results ({type(error).__name__})", *errors]
     finally:
         context.close()
-    hits = [p for p in pages if f"{origin}/{p}" in found]
-    return [f"console error: {e}" for e in errors] + (
-        [] if hits else [f"search for '{word}' found none of the notebooks: {found}"])
+    problems = [f"console error: {e}" for e in errors]
+    if not any(r["page"] == f"{origin}/{p}" for r in results for p in pages):
+        problems.append(f"search for '{word}' found none of the notebooks: {results}")
+    for result in results:
+        problems += [f"search summary shows the page's chrome ('{w}'): {result['page']}"
+                     for w in CHROME_WORDS if w in result["summary"]]
+    sections = [href for r in results for href in r["sections"]]
+    if len(sections) < len(results) / 2:
+        problems.append(f"search: {len(sections)} of {len(results)} results link a section")
+    problems += link_problems(site, origin, sections)
+    return problems
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -403,9 +425,96 @@ def test_page(browser, site, origin, spec, viewport):
     assert check_page(browser, site, origin, spec, shot, viewport) == []
 
 
-def test_search_finds_the_notebooks(browser, origin):
+def test_search_finds_the_notebooks_and_links_their_sections(browser, site, origin):
     pages = [spec.path for spec in expected_pages()[1:]]
-    assert search_problems(browser, origin, SEARCH_WORD, pages) == []
+    assert search_problems(browser, site, origin, SEARCH_WORD, pages) == []
+
+
+def test_the_search_check_fails_with_sphinxs_own_summaries(browser, site, tmp_path):
+    """Without site.js, Sphinx cuts summaries from the whole <main> (the header's theme menu
+    included) and links pages only: the check says both."""
+    faulty = tmp_path / "site"
+    shutil.copytree(site, faulty)
+    (faulty / "_static" / "site.js").write_text("", encoding="utf-8")
+    pages = [spec.path for spec in expected_pages()[1:]]
+    with serve(faulty) as address:
+        problems = search_problems(browser, faulty, address, SEARCH_WORD, pages)
+    assert any("shows the page's chrome" in p for p in problems), problems
+    assert any("results link a section" in p for p in problems), problems
+
+
+SEARCH_CONTROLS = ".search-button-field, .search-button, form.bd-search"
+
+
+@pytest.mark.parametrize("viewport", [PHONE, VIEWPORT], ids=lambda v: f"{v['width']}px")
+@pytest.mark.parametrize("path", ["index.html", "notebooks/00_timing_async_work.html",
+                                  "search.html"])
+def test_one_search_box(browser, origin, path, viewport):
+    page = browser.new_page(viewport=viewport)
+    try:
+        page.goto(f"{origin}/{path}")
+        shown = [c for c in page.locator(SEARCH_CONTROLS).all() if c.is_visible()]
+        assert len(shown) == 1, [c.evaluate("e => e.outerHTML.slice(0, 120)") for c in shown]
+    finally:
+        page.close()
+
+
+@pytest.mark.parametrize("spec", expected_pages()[1:], ids=lambda s: s.path)
+def test_each_notebook_page_offers_the_committed_notebook_to_download_and_to_open_on_colab(
+        browser, site, origin, spec):
+    name = Path(spec.path).with_suffix(".ipynb").name
+    page = browser.new_page(viewport=VIEWPORT)
+    try:
+        page.goto(f"{origin}/{spec.path}")
+        header = page.locator(".bd-header-article")
+        launch = header.locator(f'a[href="{nbtool.colab_url(name, nbtool.settings())}"]')
+        download = header.locator(f'a[href*="_sources/"][href$="/{name}"]')
+        assert launch.count() == 1 and download.count() == 1
+        served = page.request.get(download.get_attribute("href", timeout=5000)
+                                  if "://" in download.get_attribute("href")
+                                  else urllib.parse.urljoin(page.url, download.get_attribute(
+                                      "href")))
+        assert served.ok and served.body() == (nbtool.NOTEBOOKS / name).read_bytes()
+    finally:
+        page.close()
+
+
+@pytest.mark.parametrize("scheme", ["dark", "light"])
+def test_the_colours_follow_the_system_and_figures_keep_a_light_ground(browser, origin, scheme):
+    """The figures are drawn on white: in dark mode the theme frames them on a light ground
+    (and dims them a little) instead of leaving white rectangles on black."""
+    context = browser.new_context(viewport=VIEWPORT, color_scheme=scheme)
+    page = context.new_page()
+    try:
+        page.goto(f"{origin}/notebooks/00_timing_async_work.html")
+        assert page.evaluate("() => document.documentElement.dataset.theme") == scheme
+        grounds = page.eval_on_selector_all(
+            "div.cell_output img", "images => images.map(i => getComputedStyle(i)"
+            ".backgroundColor.match(/\\d+/g).slice(0, 3).map(Number))")
+        if scheme == "dark":
+            assert grounds and all(min(rgb) >= 180 for rgb in grounds), grounds
+    finally:
+        context.close()
+
+
+#: what a page may load besides itself and its figures (Font Awesome's script alone was 1.56 MB)
+PAGE_ASSETS_BYTES = 1_200_000
+
+
+@pytest.mark.parametrize("path", ["index.html", "notebooks/07_prefetching.html"])
+def test_a_page_loads_little_besides_its_figures(browser, origin, path):
+    page = browser.new_page(viewport=VIEWPORT)
+    try:
+        page.goto(f"{origin}/{path}", wait_until="load")
+        page.wait_for_timeout(500)
+        loaded = page.evaluate("() => performance.getEntriesByType('resource')"
+                               ".filter(r => !r.name.includes('/_images/'))"
+                               ".map(r => [r.name, r.encodedBodySize])")
+        assert sum(size for _, size in loaded) <= PAGE_ASSETS_BYTES, sorted(
+            loaded, key=lambda r: -r[1])[:5]
+        assert not any("fontawesome.js" in name for name, _ in loaded)
+    finally:
+        page.close()
 
 
 def test_the_checker_reports_planted_faults(browser, site, tmp_path):
@@ -454,12 +563,19 @@ def test_the_menu_and_the_contents_open(browser, origin, path, viewport):
     assert navigation_problems(browser, f"{origin}/{path}", viewport) == []
 
 
-def test_the_navigation_check_fails_without_the_sites_script(browser, site, tmp_path):
-    """The themes alone bind their handlers to buttons readers never see: without site.js's
-    hand-over, the phone's menu and contents stay shut, and the desktop menu never folds."""
+def test_the_navigation_check_fails_when_the_themes_bind_hidden_buttons(browser, site,
+                                                                        tmp_path):
+    """The themes' scripts bind the sidebars to the first ".primary-toggle" and
+    ".secondary-toggle" of a page. With pydata-sphinx-theme's navbar shown (it held a second
+    search box), those were its hidden buttons: the buttons readers saw did nothing, and on a
+    phone the site had no menu. Planting such hidden buttons first makes the check say so."""
     faulty = tmp_path / "site"
     shutil.copytree(site, faulty)
-    (faulty / "_static" / "site.js").write_text("", encoding="utf-8")
+    path = faulty / "notebooks" / "00_timing_async_work.html"
+    hidden = ('<button class="sidebar-toggle primary-toggle" style="display: none"></button>'
+              '<button class="sidebar-toggle secondary-toggle" style="display: none"></button>')
+    path.write_text(re.sub(r"(<body[^>]*>)", rf"\1{hidden}", path.read_text(encoding="utf-8"),
+                           count=1), encoding="utf-8")
     with serve(faulty) as address:
         url = f"{address}/notebooks/00_timing_async_work.html"
         phone, desktop = (navigation_problems(browser, url, v) for v in (PHONE, VIEWPORT))

@@ -1350,6 +1350,25 @@ def stage_site(src: Path, conf: dict) -> None:
                                                     conf), encoding="utf-8")
 
 
+# pydata-sphinx-theme loads Font Awesome twice: as web fonts from its stylesheet, which draw the
+# site's icons, and as a 1.5 MB script that only adds custom icons, which the site has none of.
+_FONTAWESOME_JS = re.compile(r'\s*<script defer src="[^"]*_static/scripts/fontawesome\.js[^"]*">'
+                             r"</script>")
+
+
+def finish_site(html: Path) -> None:
+    """What the build leaves to do: the header's download button serves the committed notebook
+    (not the site's staged copy of it), and no page loads the Font Awesome script."""
+    for path in notebook_paths():
+        shutil.copy(path, html / "_sources" / "notebooks" / path.name)
+    for page in html.rglob("*.html"):
+        text = page.read_text(encoding="utf-8")
+        if _FONTAWESOME_JS.search(text):
+            page.write_text(_FONTAWESOME_JS.sub("", text), encoding="utf-8")
+    for script in (html / "_static" / "scripts").glob("fontawesome.js*"):
+        script.unlink()
+
+
 def build_site(out: Path = SITE) -> Path:
     """Build the site from the committed outputs into ``out`` (replaced); a Sphinx warning fails
     the build."""
@@ -1361,6 +1380,7 @@ def build_site(out: Path = SITE) -> Path:
                                  str(src), str(html)])
         if sphinx.returncode:
             raise RuntimeError("the site's build failed: see Sphinx's messages above")
+        finish_site(html)
         if out.exists():
             shutil.rmtree(out)
         shutil.copytree(html, out)

@@ -41,15 +41,20 @@ html_favicon = "favicon.svg"  # without one, browsers ask for /favicon.ico and l
 html_static_path = ["static"]
 html_css_files = ["site.css"]
 html_js_files = ["site.js"]
-html_copy_source = False  # the staged copies differ from the committed notebooks: link to those
+# Each page's header: download the notebook (nbtool puts the committed .ipynb where the theme's
+# button points, in place of the staged copy) and open it on Colab.
+html_copy_source = True
 html_show_sourcelink = False
 html_theme_options = {
     "repository_url": f"https://github.com/{_conf['repository']}",
     "repository_branch": _conf["branch"],
+    "path_to_docs": "",  # the staged notebooks/ lie where the repository's do
     "use_repository_button": True,
-    "use_download_button": False,
+    "use_download_button": True,
+    "launch_buttons": {"colab_url": "https://colab.research.google.com"},
     "home_page_in_toc": True,
     "show_toc_level": 2,
+    "navbar_persistent": [],  # one search box, in the sidebar (or the header's button on a phone)
 }
-# The figures are drawn on white. (Without a mode, the theme logs a console error.)
-html_context = {"default_mode": "light"}
+# Light or dark as the reader's system is set (the figures keep a white ground: site.css).
+html_context = {"default_mode": "auto"}

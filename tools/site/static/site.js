@@ -18,20 +18,53 @@ document.addEventListener("DOMContentLoaded", () => {
   });
 });
 
-// The themes' scripts (sphinx-book-theme 1.4, pydata-sphinx-theme 0.20) bind the sidebar toggles
-// to the first ".primary-toggle" and ".secondary-toggle" of a page, a navbar button that
-// sphinx-book-theme keeps hidden: the buttons readers see did nothing, and on a phone the site
-// had no menu. Their clicks go to the bound buttons, which open the menu and the page's contents
-// (under 992 px) or fold the sidebar (wider).
-document.addEventListener("DOMContentLoaded", () => {
-  ["primary-toggle", "secondary-toggle"].forEach((name) => {
-    const bound = document.querySelector(`.${name}`);
-    document.querySelectorAll(`.${name}`).forEach((button) => {
-      if (button === bound) return;
-      button.addEventListener("click", (event) => {
-        event.preventDefault();
-        bound.click();
-      });
+// Sphinx's search cuts each result's summary out of the page's whole <main>, which here holds
+// the header's buttons ("Settings Light Dark") and the page's contents, and links to the page
+// only. The summary comes from the article instead: from the first section (with a heading of
+// its own) that holds the words, named and linked under the page's link.
+function firstSection(article, keywords) {
+  const walker = document.createTreeWalker(article, NodeFilter.SHOW_TEXT);
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    const text = node.textContent.toLowerCase();
+    if (!keywords.some((k) => text.includes(k))) continue;
+    const section = node.parentElement.closest("section[id]");
+    const heading = section && section.querySelector(":scope > h2, :scope > h3, :scope > h4");
+    if (heading) return {section, heading};
+  }
+  return null;
+}
+
+function articleSummary(htmlText, searchTerms, anchor) {
+  const keywords = [...searchTerms].map((k) => k.toLowerCase());  // a Set, in Sphinx 9
+  const page = new DOMParser().parseFromString(htmlText, "text/html");
+  page.querySelectorAll(".headerlink, script, style").forEach((el) => el.remove());
+  const article = page.querySelector("article.bd-article");
+  if (!article) return null;
+  const found = anchor ? null : firstSection(article, keywords);
+  const scope = found?.section || (anchor && article.querySelector(anchor)) || article;
+  const text = scope.textContent.replace(/\s+/g, " ").trim();
+  const lower = text.toLowerCase();
+  const at = keywords.map((k) => lower.indexOf(k)).filter((i) => i > -1);
+  const start = Math.max(Math.min(...at, text.length) - 120, 0);
+  const summary = document.createElement("p");
+  summary.classList.add("context");
+  summary.textContent = `${start ? "..." : ""}${text.substr(start, 240).trim()}`
+    + `${start + 240 < text.length ? "..." : ""}`;
+  if (found) {
+    // the result's link to its page is in place once Sphinx has added this summary to it
+    queueMicrotask(() => {
+      const pageLink = summary.closest("li")?.querySelector("a");
+      if (!pageLink) return;
+      const link = document.createElement("a");
+      link.className = "search-section";
+      link.href = `${pageLink.href.split(/[?#]/)[0]}#${found.section.id}`;
+      link.textContent = found.heading.textContent.trim();
+      summary.before(link);
     });
-  });
+  }
+  return summary;
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  if (typeof Search !== "undefined") Search.makeSearchSummary = articleSummary;
 });
