@@ -473,3 +473,14 @@ def test_the_site_shows_the_set_up_cell_without_its_output(notebook):
     assert nbtool.REMOVE_OUTPUT_TAG in setup.metadata["tags"]
     assert nbtool.REMOVE_OUTPUT_TAG not in next(
         c for c in nb.cells if nbtool.is_setup_cell(c)).metadata["tags"]
+
+
+def test_a_bare_issue_reference_is_caught_and_linked_once():
+    text = "it raises (pytorch/pytorch#85796); see [pytorch/pytorch#1](https://x.org/1)."
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text)])
+    assert len(nbtool.issue_link_problems("00_x.ipynb", nb)) == 1
+    linked = nbtool.linked_issues(text)
+    assert "[pytorch/pytorch#85796](https://github.com/pytorch/pytorch/issues/85796)" in linked
+    assert nbtool.linked_issues(linked) == linked
+    nb.cells[0].source = linked
+    assert nbtool.issue_link_problems("00_x.ipynb", nb) == []

@@ -590,6 +590,22 @@ def figure_problems(name: str, nb) -> list[str]:
     return problems
 
 
+# "owner/repo#123" in prose, not already the text of a link: GitHub links it, a notebook doesn't
+_BARE_ISSUE = re.compile(r"(?<![\[\w/.-])([\w.-]+/[\w.-]+)#(\d+)(?!\]|\w)")
+
+
+def linked_issues(markdown: str) -> str:
+    """``markdown`` with each bare issue reference (pytorch/pytorch#85796) made a link to it."""
+    return _BARE_ISSUE.sub(r"[\1#\2](https://github.com/\1/issues/\2)", markdown)
+
+
+def issue_link_problems(name: str, nb) -> list[str]:
+    return [f"{name}, cell {i}: issue reference {m.group(0)} is not a link "
+            "(check --fix links it)"
+            for i, cell in enumerate(nb.cells) if cell.cell_type == "markdown"
+            for m in _BARE_ISSUE.finditer(cell.source)]
+
+
 def teaching_problems(name: str, nb) -> list[str]:
     """The syllabus and the rules of thumb in the README come from this metadata."""
     info = nb.metadata.get(METADATA_KEY, {})
@@ -736,7 +752,8 @@ def format_problems(path: Path, nb, conf: dict) -> list[str]:
         problems.append(f"{name}: the second cell should be the canonical set-up cell, tagged "
                         f"{SETUP_TAG} and {CPU_OK_TAG}")
     return (problems + solution_problems(name, nb) + teaching_problems(name, nb)
-            + figure_problems(name, nb) + core_problems(name, nb))
+            + figure_problems(name, nb) + issue_link_problems(name, nb)
+            + core_problems(name, nb))
 
 
 def fix(nb, path: Path, conf: dict) -> None:
@@ -768,6 +785,8 @@ def fix(nb, path: Path, conf: dict) -> None:
             cell.metadata["cellView"] = "form"
             if cell.source.startswith("# Solution\n"):
                 cell.source = SOLUTION_TITLE + cell.source[len("# Solution"):]
+        if cell.cell_type == "markdown":
+            cell.source = linked_issues(cell.source)
 
 
 # ---------------------------------------------------------------------------- recorded results
