@@ -484,3 +484,27 @@ def test_a_bare_issue_reference_is_caught_and_linked_once():
     assert nbtool.linked_issues(linked) == linked
     nb.cells[0].source = linked
     assert nbtool.issue_link_problems("00_x.ipynb", nb) == []
+
+
+def test_the_run_it_yourself_copy_has_the_same_cells_and_no_outputs(notebook, tmp_path):
+    """Colab's badge opens this copy (the Pages workflow writes it to the run branch): a reader
+    who predicts before running meets no answer first, and runs exactly the committed code."""
+    path, nb = notebook
+    copy_path = tmp_path / path.name
+    nbtool.write(nbtool.blank_notebook(nb), copy_path)
+    blank = nbtool.read(copy_path)
+    assert [(c.cell_type, c.source) for c in blank.cells] == [
+        (c.cell_type, c.source) for c in nb.cells]
+    code = [c for c in blank.cells if c.cell_type == "code"]
+    assert all(c.outputs == [] and c.execution_count is None for c in code)
+    assert any(c.outputs for c in nb.cells if c.cell_type == "code")  # the committed run is kept
+    conf = nbtool.settings()
+    header = nb.cells[0].source
+    assert f"]({nbtool.run_url(path.name, conf)})" in header
+    assert f"]({nbtool.colab_url(path.name, conf)})" in header
+    assert conf["run_branch"] in nbtool.run_url(path.name, conf)
+
+
+def test_the_blank_command_writes_every_notebook(tmp_path):
+    assert nbtool.main(["blank", str(tmp_path)]) == 0
+    assert sorted(p.name for p in (tmp_path / "notebooks").iterdir()) == [p.name for p in NOTEBOOKS]

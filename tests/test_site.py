@@ -80,7 +80,7 @@ def notebook_spec(path: Path, conf: dict) -> PageSpec:
         nbtool.site_page(path),
         texts=nbtool.headline_texts(nb) + [stamp["gpu"], f"torch {stamp['torch']}",
                                            stamp["date"]],
-        links=[nbtool.colab_url(path.name, conf),
+        links=[nbtool.colab_url(path.name, conf), nbtool.run_url(path.name, conf),
                nbtool.github_url(f"notebooks/{path.name}", conf)],
         solutions=solutions)
 
@@ -95,7 +95,7 @@ def expected_pages() -> tuple[PageSpec, ...]:
     landing = PageSpec("index.html",
                        texts=[t for p in paths for t in nbtool.headline_texts(nbtool.read(p))],
                        links=[s.path for s in notebooks]
-                       + [nbtool.colab_url(p.name, conf) for p in paths])
+                       + [nbtool.run_url(p.name, conf) for p in paths])
     return (landing, *notebooks)
 
 

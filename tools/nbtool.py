@@ -425,13 +425,44 @@ def execute(path: Path, timeout: int = 600) -> dict:
 # ---------------------------------------------------------------------------- format
 
 
-def colab_url(name: str, conf: dict) -> str:
+def colab_url(name: str, conf: dict, branch: str | None = None) -> str:
+    """A notebook on Colab: the committed run (``branch`` main), or the copy without outputs
+    (``conf["run_branch"]``)."""
     return (f"https://colab.research.google.com/github/{conf['repository']}/blob/"
-            f"{conf['branch']}/notebooks/{name}")
+            f"{branch or conf['branch']}/notebooks/{name}")
+
+
+def run_url(name: str, conf: dict) -> str:
+    """The notebook without outputs on Colab, to predict, then run."""
+    return colab_url(name, conf, conf["run_branch"])
 
 
 def badge(name: str, conf: dict) -> str:
-    return f"[![Open In Colab]({COLAB_BADGE})]({colab_url(name, conf)})"
+    """Colab's badge to the copy without outputs, and a link to the committed run."""
+    return (f"[![Open In Colab]({COLAB_BADGE})]({run_url(name, conf)}) to run it yourself "
+            f"(no outputs: predict first), or [read the committed run]({colab_url(name, conf)})")
+
+
+def blank_notebook(nb):
+    """The notebook as a reader who predicts before running gets it: the same cells, no
+    outputs, no execution counts or timings."""
+    nb = copy.deepcopy(nb)
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+    return nb
+
+
+def write_blank_copies(out: Path) -> list[Path]:
+    """Each notebook without outputs in ``out``/notebooks (what the run branch holds)."""
+    (out / "notebooks").mkdir(parents=True, exist_ok=True)
+    written = []
+    for path in notebook_paths():
+        write(blank_notebook(read(path)), out / "notebooks" / path.name)
+        written.append(out / "notebooks" / path.name)
+    return written
 
 
 def github_url(relative: str, conf: dict) -> str:
@@ -633,8 +664,12 @@ def _counted_cells(nb) -> list[tuple[int, object]]:
             if not is_setup_cell(c) and not is_solution_cell(c) and i not in answers]
 
 
+_LINK_TARGET = re.compile(r"\]\([^)\s]*\)")  # a markdown link's or image's address
+
+
 def _words(text: str) -> int:
-    return len(re.findall(r"[^\W_][\w'’.-]*", text))
+    """Words a reader reads: a link's text counts, its address does not."""
+    return len(re.findall(r"[^\W_][\w'’.-]*", _LINK_TARGET.sub("]", text)))
 
 
 def _code_lines(source: str) -> int:
@@ -821,7 +856,7 @@ def run_text(stamp: dict) -> str:
 
 
 def readme_table(paths: list[Path], conf: dict) -> str:
-    rows = ["| # | notebook: the question | headline result (committed run) | |",
+    rows = ["| # | notebook: the question | headline result (committed run) | run it yourself |",
             "|---|---|---|---|"]
     runs = set()
     for path in paths:
@@ -832,7 +867,7 @@ def readme_table(paths: list[Path], conf: dict) -> str:
         needs = f" *Needs {needs} GPUs.*" if needs > 1 else ""
         rows.append(f"| {path.name[:2]} | [{info.get('title', path.stem)}](notebooks/"
                     f"{path.name}): {info.get('question', '')}{needs} | {result} | "
-                    f"{badge(path.name, conf)} |")
+                    f"[![Open In Colab]({COLAB_BADGE})]({run_url(path.name, conf)}) |")
         stamp = info.get("provenance")
         if stamp:
             runs.add(run_text(stamp))
@@ -1489,6 +1524,9 @@ def main(argv: list[str] | None = None) -> int:
                          help="claim logs written by pytest with COLLECTION_CLAIM_LOG set")
     site = sub.add_parser("site", help="build the static site from the committed outputs")
     site.add_argument("--out", type=Path, default=SITE, help="where (default: _site/)")
+    blank = sub.add_parser("blank", help="write the notebooks without outputs into OUT/notebooks "
+                           "(what the run branch holds)")
+    blank.add_argument("out", type=Path)
     restamp_ = sub.add_parser("restamp", help="add helpers_units to stamps made before they had "
                               "it, where helpers.py at REV is the one their outputs came from")
     restamp_.add_argument("--helpers-from", required=True, metavar="REV",
@@ -1504,6 +1542,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "margins":
         paths = [p.resolve() for p in args.notebooks] or notebook_paths()
         return _margins(paths, args.runs, args.cpus, args.add, report_only=args.runs == 0)
+    if args.command == "blank":
+        written = write_blank_copies(args.out.resolve())
+        print(f"{len(written)} notebooks without outputs in {args.out / 'notebooks'}")
+        return 0
     if args.command == "sizes":
         print(sizes_report(notebook_paths()))
         return 0
