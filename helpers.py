@@ -1402,6 +1402,16 @@ def format_value(value: float, unit: str) -> str:
     return f"{number}{unit}" if unit in ("x", "") else f"{number} {unit}"
 
 
+def answer(key: str, guess: float | None = None) -> None:
+    """One line for a result (notebook 00 first): the recorded value, and beside it the
+    reader's typed prediction (``my_guess``), or a reminder to type one."""
+    measured = MEASUREMENTS[key]
+    unit = measured["unit"]
+    typed = (f"your guess: {format_value(guess, unit)}" if guess is not None
+             else "no guess typed: set my_guess above and run again")
+    print(f"Answer: {measured['label']}: {format_value(measured['value'], unit)} ({typed})")
+
+
 OPERATORS = {"<": float.__lt__, "<=": float.__le__, ">": float.__gt__, ">=": float.__ge__}
 
 

@@ -602,6 +602,17 @@ def test_record_shows_and_keeps_a_value(fresh_measurements, capsys):
     assert capsys.readouterr().out == "faults: 65,536\n"
 
 
+def test_answer_shows_the_result_beside_the_readers_guess(fresh_measurements, capsys):
+    helpers.record("underreport", 143.2, "x", "the clock under-reports by")
+    capsys.readouterr()
+    helpers.answer("underreport", 10)
+    assert capsys.readouterr().out == "Answer: the clock under-reports by: 143x (your guess: 10x)\n"
+    helpers.answer("underreport")
+    assert "(no guess typed: set my_guess above and run again)" in capsys.readouterr().out
+    with pytest.raises(KeyError):
+        helpers.answer("never_recorded", 1)
+
+
 def test_claim_holds_or_stops_with_one_line(fresh_measurements, capsys):
     helpers.record("fast_ms", 1.0, "ms", "fast")
     helpers.record("slow_ms", 10.0, "ms", "slow")

@@ -508,3 +508,62 @@ def test_the_run_it_yourself_copy_has_the_same_cells_and_no_outputs(notebook, tm
 def test_the_blank_command_writes_every_notebook(tmp_path):
     assert nbtool.main(["blank", str(tmp_path)]) == 0
     assert sorted(p.name for p in (tmp_path / "notebooks").iterdir()) == [p.name for p in NOTEBOOKS]
+
+
+def _teaching_notebook(*cells) -> nbformat.NotebookNode:
+    return nbformat.v4.new_notebook(cells=list(cells))
+
+
+PROMPT = nbformat.v4.new_markdown_cell("**Predict before you run.** How much faster?")
+GUESS = nbformat.v4.new_code_cell("my_guess = None  # how many times faster")
+SHORT = nbformat.v4.new_markdown_cell("**Short answer.** Several times.",
+                                      metadata={"jupyter": {"source_hidden": True}})
+RECORD = nbformat.v4.new_code_cell('helpers.record("speedup", 3.0, "x", "faster by")')
+ANSWER = nbformat.v4.new_code_cell('helpers.answer("speedup", my_guess)')
+
+
+def test_a_prediction_needs_its_folded_short_answer_and_in_a_typed_notebook_its_guess():
+    typed = frozenset({"t.ipynb"})
+    complete = _teaching_notebook(PROMPT, GUESS, SHORT, RECORD, ANSWER)
+    assert nbtool.prediction_problems("t.ipynb", complete, typed, frozenset()) == []
+    no_short = _teaching_notebook(PROMPT, GUESS, RECORD, ANSWER)
+    assert any("short answer" in p for p in nbtool.prediction_problems(
+        "t.ipynb", no_short, typed, frozenset()))
+    shown = copy.deepcopy(complete)
+    shown.cells[2].metadata["jupyter"]["source_hidden"] = False
+    assert any("is folded" in p for p in nbtool.prediction_problems(
+        "t.ipynb", shown, typed, frozenset()))
+    untyped = _teaching_notebook(PROMPT, SHORT, RECORD)
+    assert any("typed" in p for p in nbtool.prediction_problems(
+        "t.ipynb", untyped, typed, frozenset()))
+    assert nbtool.prediction_problems("u.ipynb", untyped, typed, frozenset()) == []
+    unanswered = _teaching_notebook(PROMPT, GUESS, SHORT, RECORD)
+    assert any("never shown beside its result" in p for p in nbtool.prediction_problems(
+        "t.ipynb", unanswered, typed, frozenset()))
+
+
+def test_a_notebook_pending_short_answers_is_let_off_until_it_has_them_all():
+    no_short = _teaching_notebook(PROMPT, RECORD)
+    pending = frozenset({"u.ipynb"})
+    assert nbtool.prediction_problems("u.ipynb", no_short, frozenset(), pending) == []
+    done = _teaching_notebook(PROMPT, SHORT, RECORD)
+    assert any("take it off SHORT_ANSWERS_PENDING" in p for p in nbtool.prediction_problems(
+        "u.ipynb", done, frozenset(), pending))
+
+
+def test_the_record_and_the_checks_are_folded_and_kept_apart_from_the_lesson():
+    loop = nbformat.v4.new_code_cell('for k in ("a", "b"):\n    helpers.record(k, 1.0, "", k)')
+    checks = nbformat.v4.new_code_cell('# NBVAL_CHECK_OUTPUT\nhelpers.claim("s", "a", ">", 0)')
+    mixed = nbformat.v4.new_code_cell('t = time_it()\nhelpers.record("t", t, "ms", "t")')
+    assert nbtool.is_bookkeeping_cell(loop) and nbtool.is_bookkeeping_cell(checks)
+    assert not nbtool.is_bookkeeping_cell(mixed)
+    nb = _teaching_notebook(copy.deepcopy(loop), copy.deepcopy(checks), copy.deepcopy(mixed))
+    problems = nbtool.bookkeeping_problems("t.ipynb", nb, frozenset({"t.ipynb"}))
+    assert sum("are folded" in p for p in problems) == 2
+    assert any("cell 2: split" in p for p in problems)
+    assert not any("split" in p for p in nbtool.bookkeeping_problems("u.ipynb", nb, frozenset()))
+    nbtool.fix(nb, nbtool.NOTEBOOKS / "t.ipynb", nbtool.settings())  # folds them
+    folded = [c for c in nb.cells if nbtool.is_bookkeeping_cell(c)]
+    assert folded and all(nbtool.is_folded(c) for c in folded)
+    counted = [c for _, c in nbtool._counted_cells(nb)]
+    assert not any(nbtool.is_bookkeeping_cell(c) for c in counted)  # not read, not counted

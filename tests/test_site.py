@@ -585,13 +585,14 @@ def test_the_navigation_check_fails_when_the_themes_bind_hidden_buttons(browser,
 
 
 @pytest.mark.parametrize("spec", expected_pages()[1:], ids=lambda s: s.path)
-def test_the_answer_after_a_solution_stays_folded_until_clicked(browser, origin, spec):
+def test_the_answers_stay_folded_until_clicked(browser, origin, spec):
     nb = nbtool.read(nbtool.NOTEBOOKS / Path(spec.path).with_suffix(".ipynb").name)
     page = browser.new_page(viewport=VIEWPORT)
     try:
         page.goto(f"{origin}/{spec.path}")
-        answers = page.locator("details.answer")
-        assert answers.count() == len(nbtool.answer_cells(nb))
+        answers = page.locator("details.answer")  # the exercise's and each short answer
+        assert answers.count() == len(nbtool.answer_cells(nb)) + sum(
+            nbtool.is_short_answer(c) for c in nb.cells)
         for index in range(answers.count()):
             answer = answers.nth(index)
             text = answer.locator("p").first

@@ -637,6 +637,114 @@ def issue_link_problems(name: str, nb) -> list[str]:
             for m in _BARE_ISSUE.finditer(cell.source)]
 
 
+# Teaching (issue 34): a reader predicts (typed, where the notebook asks for a number), meets a
+# short answer folded under the question, reads one line per result, and sees the record and
+# the checks only on a click (they still run, and nbval compares them).
+PREDICTION = re.compile(r"^\*\*Predict", re.M)  # a prompt: "**Predict before you run.**"
+SHORT_ANSWER = "**Short answer.**"  # a markdown cell, folded, right after the prediction
+GUESS = re.compile(r"^(my_guess\w*) = ", re.M)  # the reader's typed prediction
+ANSWERED = re.compile(r"helpers\.answer\([^)]*?\b(my_guess\w*)\b", re.S)
+# Notebooks whose predictions are typed and echoed by helpers.answer; the set only grows, to
+# every notebook.
+TYPED_PREDICTIONS: frozenset = frozenset({"00_timing_async_work.ipynb",
+                                          "07_prefetching.ipynb"})
+# Notebooks whose prediction prompts do not have their short answers yet; the set only shrinks.
+SHORT_ANSWERS_PENDING: frozenset = frozenset()
+BOOKKEEPING = frozenset({"record", "claim", "claim_where"})
+SHORT_SUMMARY = "Show the short answer"
+CHECKS_PROMPT = "Show the record and the checks"
+
+
+def _is_bookkeeping_call(statement) -> bool:
+    call = statement.value if isinstance(statement, ast.Expr) else None
+    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+            and call.func.attr in BOOKKEEPING and isinstance(call.func.value, ast.Name)
+            and call.func.value.id == "helpers")
+
+
+def bookkeeping_statements(cell) -> list[bool]:
+    """For each top-level statement of a code cell: is it bookkeeping (a helpers.record or
+    claim call, or a loop of nothing else)?"""
+    try:
+        tree = ast.parse(cell.source)
+    except SyntaxError:
+        return []
+    return [_is_bookkeeping_call(st) or (isinstance(st, ast.For) and all(
+        _is_bookkeeping_call(inner) for inner in st.body)) for st in tree.body]
+
+
+def is_bookkeeping_cell(cell) -> bool:
+    """A code cell that only records and checks results: folded, as a solution is."""
+    if cell.cell_type != "code" or is_solution_cell(cell) or is_setup_cell(cell):
+        return False
+    kinds = bookkeeping_statements(cell)
+    return bool(kinds) and all(kinds)
+
+
+def is_folded(cell) -> bool:
+    jupyter = cell.metadata.get("jupyter", {})
+    return jupyter.get("source_hidden") is True and (cell.cell_type == "markdown" or (
+        jupyter.get("outputs_hidden") is True and cell.metadata.get("cellView") == "form"))
+
+
+def is_short_answer(cell) -> bool:
+    return cell.cell_type == "markdown" and cell.source.startswith(SHORT_ANSWER)
+
+
+def prediction_problems(name: str, nb, typed: frozenset = TYPED_PREDICTIONS,
+                        pending: frozenset = SHORT_ANSWERS_PENDING) -> list[str]:
+    """Each prediction prompt is followed by the reader's typed guess (in the notebooks of
+    ``typed``: a ``my_guess = ...`` cell, echoed later by helpers.answer) and a folded short
+    answer (unless ``pending`` names the notebook)."""
+    cells, problems = nb.cells, []
+    if name in pending:
+        if any(is_short_answer(c) for c in cells) and not [
+                p for p in prediction_problems(name, nb, typed, frozenset()) if "short" in p]:
+            return [f"{name}: every prediction has its short answer: take it off "
+                    "SHORT_ANSWERS_PENDING in tools/nbtool.py"]
+        pending_typed = prediction_problems(name, nb, typed, frozenset())
+        return [p for p in pending_typed if "short answer" not in p]
+    for i, cell in enumerate(cells):
+        if cell.cell_type != "markdown" or not PREDICTION.search(cell.source):
+            continue
+        after = i + 1
+        if after < len(cells) and cells[after].cell_type == "code" \
+                and GUESS.search(cells[after].source):
+            after += 1
+        elif name in typed:
+            problems.append(f"{name}, cell {i}: a prediction is typed: a code cell "
+                            "'my_guess = ...' right after the prompt")
+        if after >= len(cells) or not is_short_answer(cells[after]):
+            problems.append(f"{name}, cell {i}: a short answer ('{SHORT_ANSWER} ...') comes "
+                            "right after the prediction (and its my_guess cell)")
+        elif not is_folded(cells[after]):
+            problems.append(f"{name}, cell {after}: the short answer is folded "
+                            "(jupyter.source_hidden): the reader predicts first")
+    if name in typed:
+        code = "\n".join(c.source for c in cells if c.cell_type == "code")
+        for guess in sorted(set(GUESS.findall(code)) - set(ANSWERED.findall(code))):
+            problems.append(f"{name}: {guess} is never shown beside its result "
+                            f"(helpers.answer(key, {guess}))")
+    return problems
+
+
+def bookkeeping_problems(name: str, nb, typed: frozenset = TYPED_PREDICTIONS) -> list[str]:
+    """On the core path, the record and the checks are folded (check --fix folds them); in a
+    notebook of ``typed``, no cell mixes them with the code a reader reads."""
+    problems = []
+    for i, cell in _core_cells(nb):
+        if is_bookkeeping_cell(cell):
+            if not is_folded(cell):
+                problems.append(f"{name}, cell {i}: the record and the checks are folded "
+                                "(source and outputs hidden, cellView form; check --fix folds "
+                                "them)")
+        elif name in typed and cell.cell_type == "code" and not is_solution_cell(cell) \
+                and any(bookkeeping_statements(cell)):
+            problems.append(f"{name}, cell {i}: split the record and the checks from the code "
+                            "a reader reads, into a cell of their own")
+    return problems
+
+
 def teaching_problems(name: str, nb) -> list[str]:
     """The syllabus and the rules of thumb in the README come from this metadata."""
     info = nb.metadata.get(METADATA_KEY, {})
@@ -658,10 +766,20 @@ def teaching_problems(name: str, nb) -> list[str]:
 
 
 def _counted_cells(nb) -> list[tuple[int, object]]:
-    """The cells a reader reads: all but the set-up cell and the hidden solutions and answers."""
+    """The cells a reader reads: all but the set-up cell, the hidden solutions and answers, and
+    the folded record and checks."""
     answers = set(answer_cells(nb))
     return [(i, c) for i, c in enumerate(nb.cells)
-            if not is_setup_cell(c) and not is_solution_cell(c) and i not in answers]
+            if not is_setup_cell(c) and not is_solution_cell(c) and i not in answers
+            and not (is_bookkeeping_cell(c) and is_folded(c))]
+
+
+def _core_cells(nb) -> list[tuple[int, object]]:
+    """The cells before the "## Going further" heading (all of them, where there is none)."""
+    split = next((i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"
+                  and any(line.startswith(GOING_FURTHER) for line in c.source.splitlines())),
+                 len(nb.cells))
+    return list(enumerate(nb.cells))[:split]
 
 
 _LINK_TARGET = re.compile(r"\]\([^)\s]*\)")  # a markdown link's or image's address
@@ -788,6 +906,7 @@ def format_problems(path: Path, nb, conf: dict) -> list[str]:
                         f"{SETUP_TAG} and {CPU_OK_TAG}")
     return (problems + solution_problems(name, nb) + teaching_problems(name, nb)
             + figure_problems(name, nb) + issue_link_problems(name, nb)
+            + prediction_problems(name, nb) + bookkeeping_problems(name, nb)
             + core_problems(name, nb))
 
 
@@ -822,6 +941,13 @@ def fix(nb, path: Path, conf: dict) -> None:
                 cell.source = SOLUTION_TITLE + cell.source[len("# Solution"):]
         if cell.cell_type == "markdown":
             cell.source = linked_issues(cell.source)
+        if is_short_answer(cell):
+            cell.metadata.setdefault("jupyter", {})["source_hidden"] = True
+    for _, cell in _core_cells(nb):
+        if is_bookkeeping_cell(cell):
+            cell.metadata.setdefault("jupyter", {}).update(source_hidden=True,
+                                                           outputs_hidden=True)
+            cell.metadata["cellView"] = "form"
 
 
 # ---------------------------------------------------------------------------- recorded results
@@ -1285,6 +1411,9 @@ def provenance_markdown(name: str, nb, conf: dict) -> str:
                 f"site: **{stamp['gpu']}**, torch {stamp['torch']} (CUDA {stamp['cuda']}), "
                 f"Python {stamp['python']}, on {stamp['date']}, {stamp['wall_seconds']:g} s "
                 "from first cell to last.")
+        headlines = headline_texts(nb)
+        if headlines:
+            body += "\n\nIts headline result: " + "; ".join(headlines) + "."
     return f"```{{admonition}} The committed run\n:class: provenance\n\n{body}\n\n{link}\n```"
 
 
@@ -1358,6 +1487,14 @@ def site_notebook(nb, name: str, conf: dict):
     for i in answer_cells(nb):  # folded as the solution is, behind its own click
         nb.cells[i].source = (f'<details class="answer">\n<summary>{ANSWER_SUMMARY}</summary>'
                               f"\n\n{nb.cells[i].source}\n\n</details>")
+    for cell in nb.cells:
+        if is_short_answer(cell):
+            cell.source = (f'<details class="answer">\n<summary>{SHORT_SUMMARY}</summary>'
+                           f"\n\n{cell.source}\n\n</details>")
+        elif is_bookkeeping_cell(cell) and is_folded(cell):
+            cell.metadata.setdefault("tags", []).append(HIDE_TAG)
+            cell.metadata.setdefault("mystnb", {}).update(code_prompt_show=CHECKS_PROMPT,
+                                                          code_prompt_hide="Hide them")
     nb.cells[0].source = nb.cells[0].source.replace(COLAB_BADGE, SITE_BADGE)
     nb.cells.insert(1, nbformat.v4.new_markdown_cell(provenance_markdown(name, nb, conf)))
     return nb
