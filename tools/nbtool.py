@@ -1474,7 +1474,8 @@ def site_notebook(nb, name: str, conf: dict):
     """The copy of a notebook that the site shows: its solutions folded (the committed ones
     stay as they are), each figure captioned, a cell's record lines in one block, the set-up
     cell without its output (what it installed: nothing, outside Colab), the badge served
-    locally, the provenance under the header."""
+    locally, the provenance (from the committed outputs, before any of this) under the header."""
+    provenance = provenance_markdown(name, nb, conf)
     nb = copy.deepcopy(nb)
     for cell in nb.cells:
         if is_solution_cell(cell):
@@ -1496,7 +1497,7 @@ def site_notebook(nb, name: str, conf: dict):
             cell.metadata.setdefault("mystnb", {}).update(code_prompt_show=CHECKS_PROMPT,
                                                           code_prompt_hide="Hide them")
     nb.cells[0].source = nb.cells[0].source.replace(COLAB_BADGE, SITE_BADGE)
-    nb.cells.insert(1, nbformat.v4.new_markdown_cell(provenance_markdown(name, nb, conf)))
+    nb.cells.insert(1, nbformat.v4.new_markdown_cell(provenance))
     return nb
 
 
