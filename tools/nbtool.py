@@ -646,8 +646,9 @@ GUESS = re.compile(r"^(my_guess\w*) = ", re.M)  # the reader's typed prediction
 ANSWERED = re.compile(r"helpers\.answer\([^)]*?\b(my_guess\w*)\b", re.S)
 # Notebooks whose predictions are typed and echoed by helpers.answer; the set only grows, to
 # every notebook.
-TYPED_PREDICTIONS: frozenset = frozenset({"00_timing_async_work.ipynb",
-                                          "07_prefetching.ipynb"})
+TYPED_PREDICTIONS: frozenset = frozenset({
+    "00_timing_async_work.ipynb", "01_pageable_and_pinned.ipynb", "03_non_blocking.ipynb",
+    "05_device_to_host.ipynb", "07_prefetching.ipynb"})
 # Notebooks whose prediction prompts do not have their short answers yet; the set only shrinks.
 SHORT_ANSWERS_PENDING: frozenset = frozenset()
 BOOKKEEPING = frozenset({"record", "claim", "claim_where"})
