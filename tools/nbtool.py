@@ -647,8 +647,9 @@ ANSWERED = re.compile(r"helpers\.answer\([^)]*?\b(my_guess\w*)\b", re.S)
 # Notebooks whose predictions are typed and echoed by helpers.answer; the set only grows, to
 # every notebook.
 TYPED_PREDICTIONS: frozenset = frozenset({
-    "00_timing_async_work.ipynb", "01_pageable_and_pinned.ipynb", "03_non_blocking.ipynb",
-    "05_device_to_host.ipynb", "07_prefetching.ipynb"})
+    "00_timing_async_work.ipynb", "01_pageable_and_pinned.ipynb", "02_bus_bandwidth.ipynb",
+    "03_non_blocking.ipynb", "04_overlap.ipynb", "05_device_to_host.ipynb",
+    "07_prefetching.ipynb", "08_tensordict_threads.ipynb", "11_activation_offload.ipynb"})
 # Notebooks whose prediction prompts do not have their short answers yet; the set only shrinks.
 SHORT_ANSWERS_PENDING: frozenset = frozenset()
 BOOKKEEPING = frozenset({"record", "claim", "claim_where"})
@@ -665,13 +666,14 @@ def _is_bookkeeping_call(statement) -> bool:
 
 def bookkeeping_statements(cell) -> list[bool]:
     """For each top-level statement of a code cell: is it bookkeeping (a helpers.record or
-    claim call, or a loop of nothing else)?"""
+    claim call, or a loop or an ``if`` of nothing else)?"""
     try:
         tree = ast.parse(cell.source)
     except SyntaxError:
         return []
-    return [_is_bookkeeping_call(st) or (isinstance(st, ast.For) and all(
-        _is_bookkeeping_call(inner) for inner in st.body)) for st in tree.body]
+    return [_is_bookkeeping_call(st) or (isinstance(st, (ast.For, ast.If)) and all(
+        _is_bookkeeping_call(inner) for inner in [*st.body, *st.orelse]))
+        for st in tree.body]
 
 
 def is_bookkeeping_cell(cell) -> bool:
