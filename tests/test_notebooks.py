@@ -525,30 +525,21 @@ ANSWER = nbformat.v4.new_code_cell('helpers.answer("speedup", my_guess)')
 def test_a_prediction_needs_its_folded_short_answer_and_in_a_typed_notebook_its_guess():
     typed = frozenset({"t.ipynb"})
     complete = _teaching_notebook(PROMPT, GUESS, SHORT, RECORD, ANSWER)
-    assert nbtool.prediction_problems("t.ipynb", complete, typed, frozenset()) == []
+    assert nbtool.prediction_problems("t.ipynb", complete, typed) == []
     no_short = _teaching_notebook(PROMPT, GUESS, RECORD, ANSWER)
     assert any("short answer" in p for p in nbtool.prediction_problems(
-        "t.ipynb", no_short, typed, frozenset()))
+        "t.ipynb", no_short, typed))
     shown = copy.deepcopy(complete)
     shown.cells[2].metadata["jupyter"]["source_hidden"] = False
     assert any("is folded" in p for p in nbtool.prediction_problems(
-        "t.ipynb", shown, typed, frozenset()))
+        "t.ipynb", shown, typed))
     untyped = _teaching_notebook(PROMPT, SHORT, RECORD)
     assert any("typed" in p for p in nbtool.prediction_problems(
-        "t.ipynb", untyped, typed, frozenset()))
-    assert nbtool.prediction_problems("u.ipynb", untyped, typed, frozenset()) == []
+        "t.ipynb", untyped, typed))
+    assert nbtool.prediction_problems("u.ipynb", untyped, typed) == []
     unanswered = _teaching_notebook(PROMPT, GUESS, SHORT, RECORD)
     assert any("never shown beside its result" in p for p in nbtool.prediction_problems(
-        "t.ipynb", unanswered, typed, frozenset()))
-
-
-def test_a_notebook_pending_short_answers_is_let_off_until_it_has_them_all():
-    no_short = _teaching_notebook(PROMPT, RECORD)
-    pending = frozenset({"u.ipynb"})
-    assert nbtool.prediction_problems("u.ipynb", no_short, frozenset(), pending) == []
-    done = _teaching_notebook(PROMPT, SHORT, RECORD)
-    assert any("take it off SHORT_ANSWERS_PENDING" in p for p in nbtool.prediction_problems(
-        "u.ipynb", done, frozenset(), pending))
+        "t.ipynb", unanswered, typed))
 
 
 def test_the_record_and_the_checks_are_folded_and_kept_apart_from_the_lesson():

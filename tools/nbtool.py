@@ -540,9 +540,8 @@ def solution_problems(name: str, nb) -> list[str]:
     if not exercise or exercise[0] > solutions[0]:
         problems.append(f"{name}: a markdown cell with '{EXERCISE_HEADING}' must come before "
                         "the first solution")
-    further = [i for i, c in enumerate(cells) if c.cell_type == "markdown"
-               and any(line.startswith(GOING_FURTHER) for line in c.source.splitlines())]
-    if further and solutions[0] > further[0]:
+    further = going_further_at(nb)
+    if further is not None and solutions[0] > further:
         problems.append(f"{name}: the exercise and its solution belong to the core path, before "
                         f"'{GOING_FURTHER}'")
     for i in solutions:
@@ -650,8 +649,6 @@ TYPED_PREDICTIONS: frozenset = frozenset({
     "00_timing_async_work.ipynb", "01_pageable_and_pinned.ipynb", "02_bus_bandwidth.ipynb",
     "03_non_blocking.ipynb", "04_overlap.ipynb", "05_device_to_host.ipynb",
     "07_prefetching.ipynb", "08_tensordict_threads.ipynb", "11_activation_offload.ipynb"})
-# Notebooks whose prediction prompts do not have their short answers yet; the set only shrinks.
-SHORT_ANSWERS_PENDING: frozenset = frozenset()
 BOOKKEEPING = frozenset({"record", "claim", "claim_where"})
 SHORT_SUMMARY = "Show the short answer"
 CHECKS_PROMPT = "Show the record and the checks"
@@ -694,19 +691,11 @@ def is_short_answer(cell) -> bool:
     return cell.cell_type == "markdown" and cell.source.startswith(SHORT_ANSWER)
 
 
-def prediction_problems(name: str, nb, typed: frozenset = TYPED_PREDICTIONS,
-                        pending: frozenset = SHORT_ANSWERS_PENDING) -> list[str]:
+def prediction_problems(name: str, nb, typed: frozenset = TYPED_PREDICTIONS) -> list[str]:
     """Each prediction prompt is followed by the reader's typed guess (in the notebooks of
     ``typed``: a ``my_guess = ...`` cell, echoed later by helpers.answer) and a folded short
-    answer (unless ``pending`` names the notebook)."""
+    answer."""
     cells, problems = nb.cells, []
-    if name in pending:
-        if any(is_short_answer(c) for c in cells) and not [
-                p for p in prediction_problems(name, nb, typed, frozenset()) if "short" in p]:
-            return [f"{name}: every prediction has its short answer: take it off "
-                    "SHORT_ANSWERS_PENDING in tools/nbtool.py"]
-        pending_typed = prediction_problems(name, nb, typed, frozenset())
-        return [p for p in pending_typed if "short answer" not in p]
     for i, cell in enumerate(cells):
         if cell.cell_type != "markdown" or not PREDICTION.search(cell.source):
             continue
@@ -777,11 +766,16 @@ def _counted_cells(nb) -> list[tuple[int, object]]:
             and not (is_bookkeeping_cell(c) and is_folded(c))]
 
 
+def going_further_at(nb) -> int | None:
+    """The index of the markdown cell with the "## Going further" heading (None: no split)."""
+    return next((i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"
+                 and any(line.startswith(GOING_FURTHER) for line in c.source.splitlines())),
+                None)
+
+
 def _core_cells(nb) -> list[tuple[int, object]]:
     """The cells before the "## Going further" heading (all of them, where there is none)."""
-    split = next((i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"
-                  and any(line.startswith(GOING_FURTHER) for line in c.source.splitlines())),
-                 len(nb.cells))
+    split = going_further_at(nb)
     return list(enumerate(nb.cells))[:split]
 
 
@@ -822,9 +816,7 @@ def core_sizes(nb) -> dict:
     hidden solutions left out of both); the longest code cell, in non-blank lines (a script
     written to a file with %%writefile is exempt); and whether the notebook has the split."""
     cells = _counted_cells(nb)
-    split = next((i for i, c in cells if c.cell_type == "markdown"
-                  and any(line.startswith(GOING_FURTHER) for line in c.source.splitlines())),
-                 None)
+    split = going_further_at(nb)
 
     def size(chosen):
         return (sum(_words(c.source) for _, c in chosen if c.cell_type == "markdown"),
@@ -1488,12 +1480,11 @@ def site_notebook(nb, name: str, conf: dict):
         if cell.cell_type == "code":
             cell.outputs = merged_text_displays(cell.get("outputs", []))
     nb.cells = [part for cell in nb.cells for part in figure_cells(cell)]
-    for i in answer_cells(nb):  # folded as the solution is, behind its own click
-        nb.cells[i].source = (f'<details class="answer">\n<summary>{ANSWER_SUMMARY}</summary>'
-                              f"\n\n{nb.cells[i].source}\n\n</details>")
-    for cell in nb.cells:
-        if is_short_answer(cell):
-            cell.source = (f'<details class="answer">\n<summary>{SHORT_SUMMARY}</summary>'
+    answers = set(answer_cells(nb))
+    for i, cell in enumerate(nb.cells):  # answers, folded as a solution is, behind a click
+        if i in answers or is_short_answer(cell):
+            summary = ANSWER_SUMMARY if i in answers else SHORT_SUMMARY
+            cell.source = (f'<details class="answer">\n<summary>{summary}</summary>'
                            f"\n\n{cell.source}\n\n</details>")
         elif is_bookkeeping_cell(cell) and is_folded(cell):
             cell.metadata.setdefault("tags", []).append(HIDE_TAG)
