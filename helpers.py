@@ -1669,10 +1669,13 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     Backward: when autograd asks for an activation, it and the ``prefetch`` offloaded before it
     (the next ones backward will ask for) are copied back on the ``h2d`` stream, into memory
     allocated on the asking stream, which the ``h2d`` stream waits for first (work queued there
-    may still use that memory); the asking stream waits on the event after the copy. An
-    activation the hooks still hold comes back as it is, marked with ``record_stream`` for its
-    pending copy. A host buffer returns to the pool when autograd lets go of what the pack hook
-    gave it, with the events of the copies that used it as its fences.
+    may still use that memory); the asking stream waits on the event after the copy. That
+    memory is marked as used by the ``h2d`` stream (``record_stream``): one brought back ahead
+    for an activation that backward then never asks for is freed with no such wait, and is
+    handed out again only once its copy is done. An activation the hooks still hold comes back
+    as it is, marked with ``record_stream`` for its pending copy. A host buffer returns to the
+    pool when autograd lets go of what the pack hook gave it, with the events of the copies that
+    used it as its fences.
 
     ``retain_graph=True`` keeps what comes back on the GPU until the graph goes.
     """
@@ -1744,6 +1747,11 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 
     def _fetch(self, slot: _Offloaded, stream) -> None:
         slot.back = torch.empty(slot.shape, dtype=slot.dtype, device=slot.device)  # on stream
+        # Only unpack makes the asking stream wait for the copy: a slot prefetched but never
+        # asked for (autograd.grad on a middle tensor, an error mid-backward) is freed with its
+        # copy still writing it. Marked as used by the H2D stream, its memory is handed out
+        # again only once the work queued there by then, that copy included, is done.
+        slot.back.record_stream(self.h2d)
         self.h2d.wait_stream(stream)  # that memory may have been freed by work queued on stream
         self.h2d.wait_event(slot.copied)  # the host copy has landed
         with torch.cuda.stream(self.h2d):

@@ -1687,6 +1687,18 @@ def test_offload_hooks_stop_at_the_bound_of_their_pool(fake_streams):
         _grads(model, inputs, hooks)
 
 
+def test_offload_hooks_mark_what_they_bring_back_as_used_by_the_copy(fake_streams):
+    # A slot prefetched but never unpacked (autograd.grad on a middle tensor, an error mid-
+    # backward) is freed with no wait on its copy back: only the mark on the H2D stream keeps
+    # the allocator from handing its memory out while that copy still writes it.
+    log, _ = fake_streams
+    hooks = _offload_hooks(in_flight=0, prefetch=2)
+    slots = [hooks.pack(torch.randn(8, 8)) for _ in range(3)]
+    hooks.unpack(slots[2])  # brings back slots 1 and 0 too, ahead of their unpacking
+    marked = [t for stream, what, t in log if (stream, what) == (hooks.h2d.name, "record_stream")]
+    assert [any(t is slot.back for t in marked) for slot in slots] == [True, True, True]
+
+
 @needs_cuda
 def test_offload_hooks_on_the_gpu_match_and_use_less_memory():
     torch.manual_seed(0)
@@ -1713,6 +1725,42 @@ def test_offload_hooks_on_the_gpu_match_and_use_less_memory():
         assert torch.allclose(grad, reference, rtol=1e-5, atol=1e-7)
     assert peaks[2] < 0.6 * peaks[0], peaks
     assert hooks.pool.allocations == 13  # x, and per layer its GELU's input and its output
+
+
+@needs_cuda
+def test_offload_hooks_on_the_gpu_free_no_memory_a_copy_back_still_writes():
+    # autograd.grad on a middle tensor asks for the last activation only; the two before it are
+    # prefetched into memory that goes back to the allocator with the graph, while their copies
+    # wait behind a sleep on the H2D stream. Zeros allocated then on the compute stream, which
+    # waits for nothing, are written long before those copies run: if they got that memory,
+    # the copies overwrite them.
+    numel = 2**22  # 16 MiB: from 10 MiB up each tensor is a segment of its own, an exact fit
+    hooks = helpers.OffloadHooks(min_bytes=0, in_flight=1, prefetch=2, max_pinned_bytes=2**28)
+
+    def grad_of_a_middle_activation():
+        x = torch.randn(numel, device="cuda")
+        w = torch.nn.Parameter(torch.randn(numel, device="cuda"))
+        with hooks:
+            h1 = x * w  # saves x (slot 0), for w's gradient
+            h2 = h1.sin()  # saves h1 (slot 1)
+            h3 = h2.sin()  # saves h2 (slot 2)
+            loss = h3.sin().sum()  # saves h3 (slot 3), still held on the GPU: no wait for it
+        with torch.cuda.stream(hooks.h2d):
+            helpers.gpu_busy(50)  # every copy back runs 50 ms from now
+        # slot 3 comes back as it is, slots 2 and 1 are prefetched, and backward stops at h3
+        return torch.autograd.grad(loss, [h3])[0]  # the graph, and their memory, go here
+
+    for trial in range(3):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the only free blocks are those this trial frees
+        grad = grad_of_a_middle_activation()
+        free_blocks = (torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) // (4 * numel)
+        zeros = [torch.zeros(numel, device="cuda") for _ in range(free_blocks + 2)]
+        torch.cuda.synchronize()
+        assert grad.abs().sum() > 0
+        written = [i for i, z in enumerate(zeros) if z.count_nonzero().item()]
+        assert not written, f"trial {trial}: {len(written)} of {len(zeros)} zeros overwritten"
+        del grad, zeros
 
 
 # ---------------------------------------------------------------------------- checkpoints
