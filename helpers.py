@@ -1632,6 +1632,20 @@ class PinnedPool:
             self._free.clear()
 
 
+def _is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` covers a block of exactly ``numel()`` elements, each once: its strides
+    are a contiguous tensor's, in some order of its dimensions (a transpose, channels-last)."""
+    if tensor.numel() == 0:
+        return True
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda d: d[1]):
+        if size != 1:  # a dimension of one element moves nowhere, whatever its stride
+            if stride != expected:
+                return False  # a gap (a strided slice) or an overlap (an expanded tensor)
+            expected *= size
+    return True
+
+
 class _Offloaded:
     """What the pack hook saves in place of an activation: where its copy lives on the host, and
     what the unpack hook needs to bring it back."""
@@ -1639,6 +1653,7 @@ class _Offloaded:
     def __init__(self, index: int, step: int, tensor: torch.Tensor, host: torch.Tensor):
         self.index, self.step = index, step
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
+        self.stride = tensor.stride()  # what comes back is laid out as what was saved
         self.host = host  # the pinned copy; valid once ``copied`` has completed
         self.copied = None  # event after the copy to the host, on the D2H stream
         self.fences: list = []  # events after which the host buffer may be written again
@@ -1662,7 +1677,11 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     stream into a buffer from ``pool`` (a ``PinnedPool`` of ``max_pinned_bytes``), after that
     stream has waited for the forward's stream (the op that wrote the tensor runs first) and for
     the buffer's fences. Parameters, and views of them, are kept as they are: they stay on the
-    GPU anyway. The hooks hold each offloaded activation until its copy is done, at most
+    GPU anyway. So are tensors that do not cover their memory densely, a strided slice or an
+    expanded tensor: such a view shares its memory with a base, which it keeps whole as it does
+    without hooks, and a dense copy of an expanded tensor can be far larger than the memory it
+    shares. An offloaded tensor comes back with the strides it was saved with (a transpose
+    stays a transpose). The hooks hold each offloaded activation until its copy is done, at most
     ``in_flight`` of them: past that, the forward's stream waits on the oldest copy's event and
     the hooks let go of it, so that its memory is reused only after the copy has read it.
 
@@ -1709,7 +1728,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         base = tensor if tensor._base is None else tensor._base
         return (tensor.device.type != self.device.type or tensor.layout != torch.strided
                 or tensor.numel() * tensor.element_size() < self.min_bytes
-                or (base.is_leaf and base.requires_grad))
+                or (base.is_leaf and base.requires_grad) or not _is_dense(tensor))
 
     def pack(self, tensor: torch.Tensor):
         if self.keeps(tensor):
@@ -1718,7 +1737,8 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 
         stream = torch.cuda.current_stream(tensor.device)
         buffer, fences = self.pool.take(tensor.numel(), tensor.dtype)
-        slot = _Offloaded(self._next_index, self.step, tensor, buffer.view(tensor.shape))
+        host = buffer.as_strided(tensor.shape, tensor.stride())  # dense: the copy is one block
+        slot = _Offloaded(self._next_index, self.step, tensor, host)
         # The buffer goes back to the pool when the slot goes, even if what follows raises; the
         # old fences stay with it until the new copy's event replaces them.
         slot.fences.extend(fences)
@@ -1746,7 +1766,8 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         slot.gpu = None
 
     def _fetch(self, slot: _Offloaded, stream) -> None:
-        slot.back = torch.empty(slot.shape, dtype=slot.dtype, device=slot.device)  # on stream
+        slot.back = torch.empty_strided(slot.shape, slot.stride, dtype=slot.dtype,
+                                        device=slot.device)  # on stream
         # Only unpack makes the asking stream wait for the copy: a slot prefetched but never
         # asked for (autograd.grad on a middle tensor, an error mid-backward) is freed with its
         # copy still writing it. Marked as used by the H2D stream, its memory is handed out

@@ -1699,6 +1699,49 @@ def test_offload_hooks_mark_what_they_bring_back_as_used_by_the_copy(fake_stream
     assert [any(t is slot.back for t in marked) for slot in slots] == [True, True, True]
 
 
+def test_offload_hooks_bring_back_the_strides_they_saved(fake_streams):
+    hooks = _offload_hooks(in_flight=0)  # let go at once: what comes back is the host copy
+    for saved in (torch.randn(6, 4).t(), torch.randn(2, 3, 4, 5).permute(0, 2, 3, 1),
+                  torch.randn(8, 6)[2:5]):
+        slot = hooks.pack(saved)
+        back = hooks.unpack(slot)
+        assert torch.equal(back, saved)
+        assert (slot.host.stride(), back.stride()) == (saved.stride(), saved.stride())
+
+
+def _transposed_chain(x, weights):
+    h = x
+    for w in weights:
+        h = torch.tanh(h.t() @ w)  # mm saves h.t(), a transposed view, for w's gradient
+    return h.square().sum()
+
+
+def test_offload_hooks_match_gradients_through_transposed_activations(fake_streams):
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    weights = [torch.nn.Parameter(torch.randn(*shape)) for shape in ((6, 5), (4, 3), (5, 7))]
+    reference = torch.autograd.grad(_transposed_chain(x, weights), weights)
+    for in_flight in (0, 3):
+        with _offload_hooks(in_flight=in_flight) as hooks:
+            loss = _transposed_chain(x, weights)
+        assert hooks.offloaded_bytes > 0
+        grads = torch.autograd.grad(loss, weights)
+        assert all(torch.equal(g, r) for g, r in zip(grads, reference, strict=True))
+
+
+def test_offload_hooks_keep_tensors_that_do_not_fill_their_memory(fake_streams):
+    # A strided slice or an expanded tensor is a view whose memory is held by its base anyway;
+    # a contiguous copy of an expanded one could outgrow the memory it shares.
+    hooks = _offload_hooks()
+    wide, row = torch.randn(8, 16), torch.randn(16)
+    gaps, overlap = wide[:, ::2], row.expand(8, 16)
+    assert hooks.keeps(gaps) and hooks.keeps(overlap)
+    assert not hooks.keeps(wide.t()) and not hooks.keeps(wide[2:5])
+    for saved in (gaps, overlap):
+        back = hooks.unpack(hooks.pack(saved))
+        assert back.data_ptr() == saved.data_ptr() and back.stride() == saved.stride()
+
+
 @needs_cuda
 def test_offload_hooks_on_the_gpu_match_and_use_less_memory():
     torch.manual_seed(0)
