@@ -1646,6 +1646,11 @@ def _is_dense(tensor: torch.Tensor) -> bool:
     return True
 
 
+def _memory_of(tensor: torch.Tensor) -> tuple:
+    """Where ``tensor``'s memory lives: the same for every tensor that shares it."""
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
 class _Offloaded:
     """What the pack hook saves in place of an activation: where its copy lives on the host, and
     what the unpack hook needs to bring it back."""
@@ -1665,25 +1670,30 @@ class _Offloaded:
 
 class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     """Keep the activations autograd saves for backward in pinned host memory, copied there
-    and back on side streams. A context manager around the forward (the backward may run inside
-    the block or after it); one instance serves every step::
+    and back on side streams (notebook 11). A context manager around the forward (the backward
+    may run inside the block or after it); one instance serves every step::
 
         hooks = helpers.OffloadHooks()
-        with hooks:
+        with hooks.keep(x):  # or ``with hooks:``; x, named, stays where it is
             loss = model(x).square().mean()
         loss.backward()
 
     Forward: a saved tensor on ``device`` of at least ``min_bytes`` is copied on the ``d2h``
     stream into a buffer from ``pool`` (a ``PinnedPool`` of ``max_pinned_bytes``), after that
     stream has waited for the forward's stream (the op that wrote the tensor runs first) and for
-    the buffer's fences. Parameters, and views of them, are kept as they are: they stay on the
-    GPU anyway. So are tensors that do not cover their memory densely, a strided slice or an
-    expanded tensor: such a view shares its memory with a base, which it keeps whole as it does
-    without hooks, and a dense copy of an expanded tensor can be far larger than the memory it
-    shares. An offloaded tensor comes back with the strides it was saved with (a transpose
-    stays a transpose). The hooks hold each offloaded activation until its copy is done, at most
-    ``in_flight`` of them: past that, the forward's stream waits on the oldest copy's event and
-    the hooks let go of it, so that its memory is reused only after the copy has read it.
+    the buffer's fences. The hooks hold each offloaded activation until its copy is done, at
+    most ``in_flight`` of them: past that, the forward's stream waits on the oldest copy's event
+    and the hooks let go of it, so that its memory is reused only after the copy has read it.
+
+    Kept as they are (``keeps``): parameters (``torch.nn.Parameter``, trained or frozen) and
+    views of them, which stay on the GPU anyway; the tensors the caller names with ``keep``
+    until the block ends, which it holds anyway, such as the input batch; and tensors that do
+    not cover their memory densely, a strided slice or an expanded tensor: such a view shares
+    its memory with a base, which it keeps whole as it does without hooks, and a dense copy of
+    an expanded tensor can be far larger than the memory it shares. A parameter cast to another
+    dtype (autocast) is a new tensor, offloaded like an activation; and a leaf that needs no
+    gradient is not taken for the input, since a frozen layer's output is one too. An offloaded
+    tensor comes back with the strides it was saved with (a transpose stays a transpose).
 
     Backward: when autograd asks for an activation, it and the ``prefetch`` offloaded before it
     (the next ones backward will ask for) are copied back on the ``h2d`` stream, into memory
@@ -1713,6 +1723,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self._held: collections.deque = collections.deque()  # offloaded, still held on the GPU
         self._by_index: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._next_index = 0
+        self._named: dict[tuple, torch.Tensor] = {}  # by memory: what keep named, this step
         super().__init__(self.pack, self.unpack)
 
     def __enter__(self):
@@ -1723,12 +1734,25 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         super().__enter__()
         return self
 
+    def __exit__(self, *exc) -> None:
+        self._named.clear()  # the next step names its own batch
+        super().__exit__(*exc)
+
+    def keep(self, *tensors: torch.Tensor) -> OffloadHooks:
+        """Name tensors that ``pack`` leaves where they are, with every tensor that shares their
+        memory (a view, a detached alias), until the ``with`` block ends: what the caller holds
+        anyway, such as the input batch. Returns the hooks, for ``with hooks.keep(batch):``."""
+        for tensor in tensors:
+            self._named[_memory_of(tensor)] = tensor  # held, so that no other takes its memory
+        return self
+
     def keeps(self, tensor: torch.Tensor) -> bool:
         """Whether ``pack`` leaves ``tensor`` where it is rather than offload it."""
         base = tensor if tensor._base is None else tensor._base
         return (tensor.device.type != self.device.type or tensor.layout != torch.strided
                 or tensor.numel() * tensor.element_size() < self.min_bytes
-                or (base.is_leaf and base.requires_grad) or not _is_dense(tensor))
+                or isinstance(base, torch.nn.Parameter) or not _is_dense(tensor)
+                or (bool(self._named) and _memory_of(tensor) in self._named))
 
     def pack(self, tensor: torch.Tensor):
         if self.keeps(tensor):

@@ -1699,6 +1699,47 @@ def test_offload_hooks_mark_what_they_bring_back_as_used_by_the_copy(fake_stream
     assert [any(t is slot.back for t in marked) for slot in slots] == [True, True, True]
 
 
+def _frozen_after_trainable(width=16):
+    torch.manual_seed(0)
+    frozen = torch.nn.Linear(width, width).requires_grad_(False)
+    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), frozen)
+
+
+def test_offload_hooks_keep_frozen_parameters_and_the_tensors_the_caller_names(fake_streams):
+    model, batch = _frozen_after_trainable(), torch.randn(32, 16)
+    hooks = _offload_hooks()
+    frozen = model[2].weight
+    assert hooks.keeps(frozen) and hooks.keeps(frozen.t())  # a parameter, trained or not
+    assert not hooks.keeps(batch)  # a leaf that needs no gradient, like a frozen layer's output
+    with hooks.keep(batch):
+        assert hooks.keeps(batch) and hooks.keeps(batch.t()) and hooks.keeps(batch.detach())
+        assert not hooks.keeps(batch.clone())
+    assert not hooks.keeps(batch)  # named for one step: forgotten when its block ends
+    trained = [p for p in model.parameters() if p.requires_grad]
+    reference = torch.autograd.grad(model(batch).square().sum(), trained)
+    with hooks.keep(batch):
+        loss = model(batch).square().sum()
+    grads = torch.autograd.grad(loss, trained)
+    assert all(torch.equal(g, r) for g, r in zip(grads, reference, strict=True))
+    # the batch (saved for the first weight's gradient) and the frozen layer's weight.t() stay;
+    # the GELU's input and the frozen layer's output travel
+    assert hooks.offloaded_bytes == 2 * 32 * 16 * 4
+
+
+def test_offload_hooks_offload_what_frozen_layers_output(fake_streams):
+    torch.manual_seed(0)
+    backbone = _small_mlp(depth=2).requires_grad_(False)
+    head, batch = torch.nn.Linear(16, 16), torch.randn(32, 16)
+    hooks = _offload_hooks()
+    with hooks.keep(batch):
+        features = backbone(batch)  # no gradient flows back there: nothing saved, no grad_fn
+        assert features.is_leaf and not features.requires_grad
+        loss = head(features).square().sum()
+    loss.backward()
+    assert not hooks.keeps(features)
+    assert hooks.offloaded_bytes == 2 * 32 * 16 * 4  # the head's input and its output
+
+
 def test_offload_hooks_bring_back_the_strides_they_saved(fake_streams):
     hooks = _offload_hooks(in_flight=0)  # let go at once: what comes back is the host copy
     for saved in (torch.randn(6, 4).t(), torch.randn(2, 3, 4, 5).permute(0, 2, 3, 1),
