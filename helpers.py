@@ -1651,6 +1651,35 @@ def _memory_of(tensor: torch.Tensor) -> tuple:
     return tensor.device, tensor.untyped_storage().data_ptr()
 
 
+def _version_counter_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of no elements that shares ``tensor``'s version counter but not its memory: it
+    reads the version of an offloaded activation without keeping that activation on the GPU."""
+    counter = tensor.detach()  # shares the memory and the version counter
+    counter.data = tensor.new_empty(0)  # set_data swaps the memory and keeps the counter
+    return counter
+
+
+def _check_not_written(saved) -> None:
+    """Raise as autograd does when a tensor was written in place after it was saved: autograd
+    skips that check for the tensors that saved_tensors_hooks pack."""
+    now = saved.counter._version
+    if now != saved.version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{saved.dtype} {list(saved.shape)} on {saved.device}] is at "
+            f"version {now}; expected version {saved.version} instead. (OffloadHooks checks "
+            "this, since autograd does not for tensors that saved_tensors_hooks pack.)")
+
+
+class _Kept:
+    """What the pack hook saves for a tensor it leaves where it is."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor.detach()  # not the tensor itself: it may hold the graph that saves it
+        self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
+        self.version, self.counter = tensor._version, self.tensor  # detach shares the counter
+
+
 class _Offloaded:
     """What the pack hook saves in place of an activation: where its copy lives on the host, and
     what the unpack hook needs to bring it back."""
@@ -1659,6 +1688,7 @@ class _Offloaded:
         self.index, self.step = index, step
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
         self.stride = tensor.stride()  # what comes back is laid out as what was saved
+        self.version, self.counter = tensor._version, _version_counter_of(tensor)
         self.host = host  # the pinned copy; valid once ``copied`` has completed
         self.copied = None  # event after the copy to the host, on the D2H stream
         self.fences: list = []  # events after which the host buffer may be written again
@@ -1694,6 +1724,12 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     dtype (autocast) is a new tensor, offloaded like an activation; and a leaf that needs no
     gradient is not taken for the input, since a frozen layer's output is one too. An offloaded
     tensor comes back with the strides it was saved with (a transpose stays a transpose).
+
+    In-place writes: autograd does not check that a tensor saved through saved_tensors_hooks
+    was left unchanged, so ``unpack`` does, and raises autograd's error for one written in place
+    after it was saved. With the hooks it would otherwise go unseen, and the copy queued to the
+    host makes it worse: it may read the tensor after the write has changed it, so that even
+    the host copy holds the new values, or a mix of old and new.
 
     Backward: when autograd asks for an activation, it and the ``prefetch`` offloaded before it
     (the next ones backward will ask for) are copied back on the ``h2d`` stream, into memory
@@ -1756,7 +1792,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 
     def pack(self, tensor: torch.Tensor):
         if self.keeps(tensor):
-            return tensor.detach()  # not the tensor itself: it may hold the graph that saves it
+            return _Kept(tensor)
         import weakref
 
         stream = torch.cuda.current_stream(tensor.device)
@@ -1805,8 +1841,9 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         slot.fences.append(slot.arrived)
 
     def unpack(self, packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
+        _check_not_written(packed)
+        if isinstance(packed, _Kept):
+            return packed.tensor
         slot = packed
         stream = torch.cuda.current_stream(slot.device)  # the stream backward runs this node on
         if slot.gpu is not None:  # never left the GPU

@@ -1622,13 +1622,13 @@ def test_offload_hooks_wait_for_each_copy_and_prefetch_ahead(fake_streams):
 
     def packing(tensor):
         slot = pack(tensor)
-        if not isinstance(slot, torch.Tensor):
+        if isinstance(slot, helpers._Offloaded):  # not a tensor kept as it is
             slots.append(slot)
         held.append(len(hooks._held))
         return slot
 
     def unpacking(packed):
-        if not isinstance(packed, torch.Tensor):
+        if isinstance(packed, helpers._Offloaded):
             asked.append((packed, packed.back is not None, packed.gpu is not None))
         return unpack(packed)
 
@@ -1782,6 +1782,53 @@ def test_offload_hooks_keep_tensors_that_do_not_fill_their_memory(fake_streams):
         back = hooks.unpack(hooks.pack(saved))
         assert back.data_ptr() == saved.data_ptr() and back.stride() == saved.stride()
 
+
+def _scaled(x, w, hooks=None, *, write=None):
+    import contextlib
+
+    w.grad = None
+    with hooks if hooks is not None else contextlib.nullcontext():
+        y = x * w  # saves x for w's gradient, and w for x's
+    if write is not None:
+        with torch.no_grad():
+            write.add_(100)  # in place, after the save
+    y.sum().backward()
+    return w.grad
+
+
+@pytest.mark.parametrize("in_flight", [3, 1, 0])
+@pytest.mark.parametrize("written", ["activation", "parameter"])
+def test_offload_hooks_raise_on_an_in_place_write_to_a_saved_tensor(fake_streams, in_flight,
+                                                                   written):
+    def fresh():  # w is saved only for x's gradient
+        x = torch.ones(64, requires_grad=written == "parameter")
+        w = torch.nn.Parameter(torch.ones(64))
+        return x, w, (x if written == "activation" else w)
+
+    x, w, _ = fresh()
+    assert torch.equal(_scaled(x, w, _offload_hooks(in_flight=in_flight)), _scaled(x, w))
+    x, w, target = fresh()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _scaled(x, w, write=target)  # autograd's own check, without hooks
+    x, w, target = fresh()
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: "
+                       r"\[torch\.float32 \[64\] on cpu\] is at version 1; expected version 0"):
+        _scaled(x, w, _offload_hooks(in_flight=in_flight), write=target)
+
+
+
+def test_offload_hooks_check_versions_without_holding_what_they_let_go(fake_streams):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    hooks = _offload_hooks(in_flight=0)
+    activation = torch.randn(64)
+    memory = StorageWeakRef(activation.untyped_storage())
+    slot = hooks.pack(activation)
+    activation.mul_(2)  # seen through the slot's counter, which shares no memory with it
+    del activation
+    assert memory.expired()  # let go of at once: nothing the slot keeps holds that memory
+    with pytest.raises(RuntimeError, match="is at version 1; expected version 0"):
+        hooks.unpack(slot)
 
 @needs_cuda
 def test_offload_hooks_on_the_gpu_match_and_use_less_memory():
