@@ -1632,6 +1632,54 @@ class PinnedPool:
             self._free.clear()
 
 
+def _is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` covers a block of exactly ``numel()`` elements, each once: its strides
+    are a contiguous tensor's, in some order of its dimensions (a transpose, channels-last)."""
+    if tensor.numel() == 0:
+        return True
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda d: d[1]):
+        if size != 1:  # a dimension of one element moves nowhere, whatever its stride
+            if stride != expected:
+                return False  # a gap (a strided slice) or an overlap (an expanded tensor)
+            expected *= size
+    return True
+
+
+def _memory_of(tensor: torch.Tensor) -> tuple:
+    """Where ``tensor``'s memory lives: the same for every tensor that shares it."""
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+def _version_counter_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of no elements that shares ``tensor``'s version counter but not its memory: it
+    reads the version of an offloaded activation without keeping that activation on the GPU."""
+    counter = tensor.detach()  # shares the memory and the version counter
+    counter.data = tensor.new_empty(0)  # set_data swaps the memory and keeps the counter
+    return counter
+
+
+def _check_not_written(saved) -> None:
+    """Raise as autograd does when a tensor was written in place after it was saved: autograd
+    skips that check for the tensors that saved_tensors_hooks pack."""
+    now = saved.counter._version
+    if now != saved.version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{saved.dtype} {list(saved.shape)} on {saved.device}] is at "
+            f"version {now}; expected version {saved.version} instead. (OffloadHooks checks "
+            "this, since autograd does not for tensors that saved_tensors_hooks pack.)")
+
+
+class _Kept:
+    """What the pack hook saves for a tensor it leaves where it is."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor.detach()  # not the tensor itself: it may hold the graph that saves it
+        self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
+        self.version, self.counter = tensor._version, self.tensor  # detach shares the counter
+
+
 class _Offloaded:
     """What the pack hook saves in place of an activation: where its copy lives on the host, and
     what the unpack hook needs to bring it back."""
@@ -1639,6 +1687,8 @@ class _Offloaded:
     def __init__(self, index: int, step: int, tensor: torch.Tensor, host: torch.Tensor):
         self.index, self.step = index, step
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
+        self.stride = tensor.stride()  # what comes back is laid out as what was saved
+        self.version, self.counter = tensor._version, _version_counter_of(tensor)
         self.host = host  # the pinned copy; valid once ``copied`` has completed
         self.copied = None  # event after the copy to the host, on the D2H stream
         self.fences: list = []  # events after which the host buffer may be written again
@@ -1650,29 +1700,47 @@ class _Offloaded:
 
 class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     """Keep the activations autograd saves for backward in pinned host memory, copied there
-    and back on side streams. A context manager around the forward (the backward may run inside
-    the block or after it); one instance serves every step::
+    and back on side streams (notebook 11). A context manager around the forward (the backward
+    may run inside the block or after it); one instance serves every step::
 
         hooks = helpers.OffloadHooks()
-        with hooks:
+        with hooks.keep(x):  # or ``with hooks:``; x, named, stays where it is
             loss = model(x).square().mean()
         loss.backward()
 
     Forward: a saved tensor on ``device`` of at least ``min_bytes`` is copied on the ``d2h``
     stream into a buffer from ``pool`` (a ``PinnedPool`` of ``max_pinned_bytes``), after that
     stream has waited for the forward's stream (the op that wrote the tensor runs first) and for
-    the buffer's fences. Parameters, and views of them, are kept as they are: they stay on the
-    GPU anyway. The hooks hold each offloaded activation until its copy is done, at most
-    ``in_flight`` of them: past that, the forward's stream waits on the oldest copy's event and
-    the hooks let go of it, so that its memory is reused only after the copy has read it.
+    the buffer's fences. The hooks hold each offloaded activation until its copy is done, at
+    most ``in_flight`` of them: past that, the forward's stream waits on the oldest copy's event
+    and the hooks let go of it, so that its memory is reused only after the copy has read it.
+
+    Kept as they are (``keeps``): parameters (``torch.nn.Parameter``, trained or frozen) and
+    views of them, which stay on the GPU anyway; the tensors the caller names with ``keep``
+    until the block ends, which it holds anyway, such as the input batch; and tensors that do
+    not cover their memory densely, a strided slice or an expanded tensor: such a view shares
+    its memory with a base, which it keeps whole as it does without hooks, and a dense copy of
+    an expanded tensor can be far larger than the memory it shares. A parameter cast to another
+    dtype (autocast) is a new tensor, offloaded like an activation; and a leaf that needs no
+    gradient is not taken for the input, since a frozen layer's output is one too. An offloaded
+    tensor comes back with the strides it was saved with (a transpose stays a transpose).
+
+    In-place writes: autograd does not check that a tensor saved through saved_tensors_hooks
+    was left unchanged, so ``unpack`` does, and raises autograd's error for one written in place
+    after it was saved. With the hooks it would otherwise go unseen, and the copy queued to the
+    host makes it worse: it may read the tensor after the write has changed it, so that even
+    the host copy holds the new values, or a mix of old and new.
 
     Backward: when autograd asks for an activation, it and the ``prefetch`` offloaded before it
     (the next ones backward will ask for) are copied back on the ``h2d`` stream, into memory
     allocated on the asking stream, which the ``h2d`` stream waits for first (work queued there
-    may still use that memory); the asking stream waits on the event after the copy. An
-    activation the hooks still hold comes back as it is, marked with ``record_stream`` for its
-    pending copy. A host buffer returns to the pool when autograd lets go of what the pack hook
-    gave it, with the events of the copies that used it as its fences.
+    may still use that memory); the asking stream waits on the event after the copy. That
+    memory is marked as used by the ``h2d`` stream (``record_stream``): one brought back ahead
+    for an activation that backward then never asks for is freed with no such wait, and is
+    handed out again only once its copy is done. An activation the hooks still hold comes back
+    as it is, marked with ``record_stream`` for its pending copy. A host buffer returns to the
+    pool when autograd lets go of what the pack hook gave it, with the events of the copies that
+    used it as its fences.
 
     ``retain_graph=True`` keeps what comes back on the GPU until the graph goes.
     """
@@ -1691,6 +1759,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self._held: collections.deque = collections.deque()  # offloaded, still held on the GPU
         self._by_index: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._next_index = 0
+        self._named: dict[tuple, torch.Tensor] = {}  # by memory: what keep named, this step
         super().__init__(self.pack, self.unpack)
 
     def __enter__(self):
@@ -1701,21 +1770,35 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         super().__enter__()
         return self
 
+    def __exit__(self, *exc) -> None:
+        self._named.clear()  # the next step names its own batch
+        super().__exit__(*exc)
+
+    def keep(self, *tensors: torch.Tensor) -> OffloadHooks:
+        """Name tensors that ``pack`` leaves where they are, with every tensor that shares their
+        memory (a view, a detached alias), until the ``with`` block ends: what the caller holds
+        anyway, such as the input batch. Returns the hooks, for ``with hooks.keep(batch):``."""
+        for tensor in tensors:
+            self._named[_memory_of(tensor)] = tensor  # held, so that no other takes its memory
+        return self
+
     def keeps(self, tensor: torch.Tensor) -> bool:
         """Whether ``pack`` leaves ``tensor`` where it is rather than offload it."""
         base = tensor if tensor._base is None else tensor._base
         return (tensor.device.type != self.device.type or tensor.layout != torch.strided
                 or tensor.numel() * tensor.element_size() < self.min_bytes
-                or (base.is_leaf and base.requires_grad))
+                or isinstance(base, torch.nn.Parameter) or not _is_dense(tensor)
+                or (bool(self._named) and _memory_of(tensor) in self._named))
 
     def pack(self, tensor: torch.Tensor):
         if self.keeps(tensor):
-            return tensor.detach()  # not the tensor itself: it may hold the graph that saves it
+            return _Kept(tensor)
         import weakref
 
         stream = torch.cuda.current_stream(tensor.device)
         buffer, fences = self.pool.take(tensor.numel(), tensor.dtype)
-        slot = _Offloaded(self._next_index, self.step, tensor, buffer.view(tensor.shape))
+        host = buffer.as_strided(tensor.shape, tensor.stride())  # dense: the copy is one block
+        slot = _Offloaded(self._next_index, self.step, tensor, host)
         # The buffer goes back to the pool when the slot goes, even if what follows raises; the
         # old fences stay with it until the new copy's event replaces them.
         slot.fences.extend(fences)
@@ -1743,7 +1826,13 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         slot.gpu = None
 
     def _fetch(self, slot: _Offloaded, stream) -> None:
-        slot.back = torch.empty(slot.shape, dtype=slot.dtype, device=slot.device)  # on stream
+        slot.back = torch.empty_strided(slot.shape, slot.stride, dtype=slot.dtype,
+                                        device=slot.device)  # on stream
+        # Only unpack makes the asking stream wait for the copy: a slot prefetched but never
+        # asked for (autograd.grad on a middle tensor, an error mid-backward) is freed with its
+        # copy still writing it. Marked as used by the H2D stream, its memory is handed out
+        # again only once the work queued there by then, that copy included, is done.
+        slot.back.record_stream(self.h2d)
         self.h2d.wait_stream(stream)  # that memory may have been freed by work queued on stream
         self.h2d.wait_event(slot.copied)  # the host copy has landed
         with torch.cuda.stream(self.h2d):
@@ -1752,8 +1841,9 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         slot.fences.append(slot.arrived)
 
     def unpack(self, packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
+        _check_not_written(packed)
+        if isinstance(packed, _Kept):
+            return packed.tensor
         slot = packed
         stream = torch.cuda.current_stream(slot.device)  # the stream backward runs this node on
         if slot.gpu is not None:  # never left the GPU

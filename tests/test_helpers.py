@@ -1622,13 +1622,13 @@ def test_offload_hooks_wait_for_each_copy_and_prefetch_ahead(fake_streams):
 
     def packing(tensor):
         slot = pack(tensor)
-        if not isinstance(slot, torch.Tensor):
+        if isinstance(slot, helpers._Offloaded):  # not a tensor kept as it is
             slots.append(slot)
         held.append(len(hooks._held))
         return slot
 
     def unpacking(packed):
-        if not isinstance(packed, torch.Tensor):
+        if isinstance(packed, helpers._Offloaded):
             asked.append((packed, packed.back is not None, packed.gpu is not None))
         return unpack(packed)
 
@@ -1687,6 +1687,149 @@ def test_offload_hooks_stop_at_the_bound_of_their_pool(fake_streams):
         _grads(model, inputs, hooks)
 
 
+def test_offload_hooks_mark_what_they_bring_back_as_used_by_the_copy(fake_streams):
+    # A slot prefetched but never unpacked (autograd.grad on a middle tensor, an error mid-
+    # backward) is freed with no wait on its copy back: only the mark on the H2D stream keeps
+    # the allocator from handing its memory out while that copy still writes it.
+    log, _ = fake_streams
+    hooks = _offload_hooks(in_flight=0, prefetch=2)
+    slots = [hooks.pack(torch.randn(8, 8)) for _ in range(3)]
+    hooks.unpack(slots[2])  # brings back slots 1 and 0 too, ahead of their unpacking
+    marked = [t for stream, what, t in log if (stream, what) == (hooks.h2d.name, "record_stream")]
+    assert [any(t is slot.back for t in marked) for slot in slots] == [True, True, True]
+
+
+def _frozen_after_trainable(width=16):
+    torch.manual_seed(0)
+    frozen = torch.nn.Linear(width, width).requires_grad_(False)
+    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), frozen)
+
+
+def test_offload_hooks_keep_frozen_parameters_and_the_tensors_the_caller_names(fake_streams):
+    model, batch = _frozen_after_trainable(), torch.randn(32, 16)
+    hooks = _offload_hooks()
+    frozen = model[2].weight
+    assert hooks.keeps(frozen) and hooks.keeps(frozen.t())  # a parameter, trained or not
+    assert not hooks.keeps(batch)  # a leaf that needs no gradient, like a frozen layer's output
+    with hooks.keep(batch):
+        assert hooks.keeps(batch) and hooks.keeps(batch.t()) and hooks.keeps(batch.detach())
+        assert not hooks.keeps(batch.clone())
+    assert not hooks.keeps(batch)  # named for one step: forgotten when its block ends
+    trained = [p for p in model.parameters() if p.requires_grad]
+    reference = torch.autograd.grad(model(batch).square().sum(), trained)
+    with hooks.keep(batch):
+        loss = model(batch).square().sum()
+    grads = torch.autograd.grad(loss, trained)
+    assert all(torch.equal(g, r) for g, r in zip(grads, reference, strict=True))
+    # the batch (saved for the first weight's gradient) and the frozen layer's weight.t() stay;
+    # the GELU's input and the frozen layer's output travel
+    assert hooks.offloaded_bytes == 2 * 32 * 16 * 4
+
+
+def test_offload_hooks_offload_what_frozen_layers_output(fake_streams):
+    torch.manual_seed(0)
+    backbone = _small_mlp(depth=2).requires_grad_(False)
+    head, batch = torch.nn.Linear(16, 16), torch.randn(32, 16)
+    hooks = _offload_hooks()
+    with hooks.keep(batch):
+        features = backbone(batch)  # no gradient flows back there: nothing saved, no grad_fn
+        assert features.is_leaf and not features.requires_grad
+        loss = head(features).square().sum()
+    loss.backward()
+    assert not hooks.keeps(features)
+    assert hooks.offloaded_bytes == 2 * 32 * 16 * 4  # the head's input and its output
+
+
+def test_offload_hooks_bring_back_the_strides_they_saved(fake_streams):
+    hooks = _offload_hooks(in_flight=0)  # let go at once: what comes back is the host copy
+    for saved in (torch.randn(6, 4).t(), torch.randn(2, 3, 4, 5).permute(0, 2, 3, 1),
+                  torch.randn(8, 6)[2:5]):
+        slot = hooks.pack(saved)
+        back = hooks.unpack(slot)
+        assert torch.equal(back, saved)
+        assert (slot.host.stride(), back.stride()) == (saved.stride(), saved.stride())
+
+
+def _transposed_chain(x, weights):
+    h = x
+    for w in weights:
+        h = torch.tanh(h.t() @ w)  # mm saves h.t(), a transposed view, for w's gradient
+    return h.square().sum()
+
+
+def test_offload_hooks_match_gradients_through_transposed_activations(fake_streams):
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    weights = [torch.nn.Parameter(torch.randn(*shape)) for shape in ((6, 5), (4, 3), (5, 7))]
+    reference = torch.autograd.grad(_transposed_chain(x, weights), weights)
+    for in_flight in (0, 3):
+        with _offload_hooks(in_flight=in_flight) as hooks:
+            loss = _transposed_chain(x, weights)
+        assert hooks.offloaded_bytes > 0
+        grads = torch.autograd.grad(loss, weights)
+        assert all(torch.equal(g, r) for g, r in zip(grads, reference, strict=True))
+
+
+def test_offload_hooks_keep_tensors_that_do_not_fill_their_memory(fake_streams):
+    # A strided slice or an expanded tensor is a view whose memory is held by its base anyway;
+    # a contiguous copy of an expanded one could outgrow the memory it shares.
+    hooks = _offload_hooks()
+    wide, row = torch.randn(8, 16), torch.randn(16)
+    gaps, overlap = wide[:, ::2], row.expand(8, 16)
+    assert hooks.keeps(gaps) and hooks.keeps(overlap)
+    assert not hooks.keeps(wide.t()) and not hooks.keeps(wide[2:5])
+    for saved in (gaps, overlap):
+        back = hooks.unpack(hooks.pack(saved))
+        assert back.data_ptr() == saved.data_ptr() and back.stride() == saved.stride()
+
+
+def _scaled(x, w, hooks=None, *, write=None):
+    import contextlib
+
+    w.grad = None
+    with hooks if hooks is not None else contextlib.nullcontext():
+        y = x * w  # saves x for w's gradient, and w for x's
+    if write is not None:
+        with torch.no_grad():
+            write.add_(100)  # in place, after the save
+    y.sum().backward()
+    return w.grad
+
+
+@pytest.mark.parametrize("in_flight", [3, 1, 0])
+@pytest.mark.parametrize("written", ["activation", "parameter"])
+def test_offload_hooks_raise_on_an_in_place_write_to_a_saved_tensor(fake_streams, in_flight,
+                                                                   written):
+    def fresh():  # w is saved only for x's gradient
+        x = torch.ones(64, requires_grad=written == "parameter")
+        w = torch.nn.Parameter(torch.ones(64))
+        return x, w, (x if written == "activation" else w)
+
+    x, w, _ = fresh()
+    assert torch.equal(_scaled(x, w, _offload_hooks(in_flight=in_flight)), _scaled(x, w))
+    x, w, target = fresh()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _scaled(x, w, write=target)  # autograd's own check, without hooks
+    x, w, target = fresh()
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: "
+                       r"\[torch\.float32 \[64\] on cpu\] is at version 1; expected version 0"):
+        _scaled(x, w, _offload_hooks(in_flight=in_flight), write=target)
+
+
+
+def test_offload_hooks_check_versions_without_holding_what_they_let_go(fake_streams):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    hooks = _offload_hooks(in_flight=0)
+    activation = torch.randn(64)
+    memory = StorageWeakRef(activation.untyped_storage())
+    slot = hooks.pack(activation)
+    activation.mul_(2)  # seen through the slot's counter, which shares no memory with it
+    del activation
+    assert memory.expired()  # let go of at once: nothing the slot keeps holds that memory
+    with pytest.raises(RuntimeError, match="is at version 1; expected version 0"):
+        hooks.unpack(slot)
+
 @needs_cuda
 def test_offload_hooks_on_the_gpu_match_and_use_less_memory():
     torch.manual_seed(0)
@@ -1713,6 +1856,42 @@ def test_offload_hooks_on_the_gpu_match_and_use_less_memory():
         assert torch.allclose(grad, reference, rtol=1e-5, atol=1e-7)
     assert peaks[2] < 0.6 * peaks[0], peaks
     assert hooks.pool.allocations == 13  # x, and per layer its GELU's input and its output
+
+
+@needs_cuda
+def test_offload_hooks_on_the_gpu_free_no_memory_a_copy_back_still_writes():
+    # autograd.grad on a middle tensor asks for the last activation only; the two before it are
+    # prefetched into memory that goes back to the allocator with the graph, while their copies
+    # wait behind a sleep on the H2D stream. Zeros allocated then on the compute stream, which
+    # waits for nothing, are written long before those copies run: if they got that memory,
+    # the copies overwrite them.
+    numel = 2**22  # 16 MiB: from 10 MiB up each tensor is a segment of its own, an exact fit
+    hooks = helpers.OffloadHooks(min_bytes=0, in_flight=1, prefetch=2, max_pinned_bytes=2**28)
+
+    def grad_of_a_middle_activation():
+        x = torch.randn(numel, device="cuda")
+        w = torch.nn.Parameter(torch.randn(numel, device="cuda"))
+        with hooks:
+            h1 = x * w  # saves x (slot 0), for w's gradient
+            h2 = h1.sin()  # saves h1 (slot 1)
+            h3 = h2.sin()  # saves h2 (slot 2)
+            loss = h3.sin().sum()  # saves h3 (slot 3), still held on the GPU: no wait for it
+        with torch.cuda.stream(hooks.h2d):
+            helpers.gpu_busy(50)  # every copy back runs 50 ms from now
+        # slot 3 comes back as it is, slots 2 and 1 are prefetched, and backward stops at h3
+        return torch.autograd.grad(loss, [h3])[0]  # the graph, and their memory, go here
+
+    for trial in range(3):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the only free blocks are those this trial frees
+        grad = grad_of_a_middle_activation()
+        free_blocks = (torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) // (4 * numel)
+        zeros = [torch.zeros(numel, device="cuda") for _ in range(free_blocks + 2)]
+        torch.cuda.synchronize()
+        assert grad.abs().sum() > 0
+        written = [i for i, z in enumerate(zeros) if z.count_nonzero().item()]
+        assert not written, f"trial {trial}: {len(written)} of {len(zeros)} zeros overwritten"
+        del grad, zeros
 
 
 # ---------------------------------------------------------------------------- checkpoints
