@@ -2010,6 +2010,84 @@ def test_checkpoint_loader_on_the_gpu_matches_and_reuses_pinned_buffers(tmp_path
     assert [b.data_ptr() for b in loader.buffers] == pointers
 
 
+CHUNK = 64 * 2**10  # small chunks: several per file, several tensors' parts in one
+
+
+def _tensors(seed=0, scale=1):
+    """Tensors of a safetensors file: one spanning several 64 KiB chunks, an empty one, a
+    scalar, several dtypes (bfloat16 and int64 among them)."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"big{seed}": torch.randn(scale * 70_000, generator=g),  # 280 KiB: 5 chunks
+            f"half{seed}": torch.randn(33, 17, generator=g).half(),
+            f"bf16_{seed}": torch.randn(1000, generator=g).bfloat16(),
+            f"ids{seed}": torch.randint(-2**40, 2**40, (5, 300), generator=g),
+            f"mask{seed}": torch.rand(77, generator=g) > 0.5,
+            f"empty{seed}": torch.empty(0, 4), f"scalar{seed}": torch.tensor(2.5)}
+
+
+def _save_safetensors(path, tensors, metadata=None):
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    return tensors
+
+
+def _placed_view(layout, placed):
+    """A layout's tensor, with its storage named by where its bytes lie, not by its number."""
+    s = layout.stored[placed.stored]
+    return ((s.offset, s.nbytes) if s.nbytes else None, placed.dtype, placed.shape,
+            placed.stride, placed.storage_offset)
+
+
+def test_safetensors_layout_matches_what_safetensors_reads(tmp_path):
+    from safetensors import safe_open
+
+    path = tmp_path / "m.safetensors"
+    _save_safetensors(path, _tensors(), metadata={"format": "pt", "step": "12"})
+    data = path.read_bytes()
+    start, header = helpers.safetensors_header(path)
+    assert start == 8 + int.from_bytes(data[:8], "little")
+    layout = helpers.safetensors_layout(path)
+    assert [s.offset for s in layout.stored] == sorted(s.offset for s in layout.stored)
+    assert all(s.mapped is None for s in layout.stored)  # nothing mapped, nothing read
+    with safe_open(str(path), "pt") as f:
+        assert header["__metadata__"] == f.metadata()
+        assert sorted(layout.structure) == sorted(f.keys())
+        for name, placed in layout.structure.items():
+            expected = f.get_tensor(name)
+            assert helpers.SAFETENSORS_DTYPES[f.get_slice(name).get_dtype()] == placed.dtype
+            assert list(placed.shape) == f.get_slice(name).get_shape()
+            assert placed.stride == expected.stride()
+            s = layout.stored[placed.stored]
+            raw = expected.reshape(-1).view(torch.uint8).numpy().tobytes()
+            assert data[s.offset:s.offset + s.nbytes] == raw
+
+
+def test_checkpoint_meta_layout_of_a_torch_file_finds_what_the_mapping_finds(tmp_path, monkeypatch):
+    path = tmp_path / "c.pt"
+    _checkpoint(path)
+    meta = helpers.torch_file_layout(path)
+    mapped = helpers.torch_file_layout(path, mapped=True)
+    assert all(s.mapped is None for s in meta.stored)  # no mapping: nothing to fault in
+    assert all(s.mapped is not None for s in mapped.stored)
+
+    def present(layout):
+        return [(s.offset, s.nbytes) for s in layout.stored if s.nbytes]
+
+    assert len(present(meta)) == 5 and present(meta) == present(mapped)
+    placed = [helpers._map_placed(lambda p, layout=layout: _placed_view(layout, p),
+                                  layout.structure) for layout in (meta, mapped)]
+    assert placed[0] == placed[1]
+    model = meta.structure["model"]
+    assert model["tied"].stored == model["view"].stored  # one storage, counted once
+    assert meta.structure["step"] == 12
+    # a torch that notes no offsets on meta storages: the mapping gives them
+    monkeypatch.setattr(helpers, "_checkpoint_offset", lambda tensor: None)
+    fallback = helpers.torch_file_layout(path)
+    assert present(fallback) == present(meta)
+    assert all(s.mapped is not None for s in fallback.stored)
+
+
 def test_evictable_directory_skips_a_directory_that_keeps_its_pages(tmp_path):
     shm = "/dev/shm"
     if not _disk_backed(tmp_path):
