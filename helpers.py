@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -2973,29 +2974,54 @@ def checkpoint_layout(source, *, mapped: bool = False) -> CheckpointLayout:
     return layouts[0] if len(layouts) == 1 else _merged(layouts)
 
 
-class CheckpointLoader:
-    """Load a ``torch.save`` checkpoint onto ``device`` through a ring of reused (pinned) host
-    buffers, each filled from the file while the ones before it cross the link.
+class _Chunk(typing.NamedTuple):
+    """A piece of one file that the loader reads into one buffer: ``length`` bytes from
+    ``begin``, and ``parts``: (storage number, offset in the chunk, offset in the storage,
+    bytes) for each storage it holds bytes of."""
 
-    ``torch.load(mmap=True)`` gives the index: every tensor's dtype, shape and storage, and
-    where its bytes lie in the file, without reading them. The file's data, from its first
-    storage to the end of its last, is then read in ``chunk_bytes`` pieces, piece k into buffer
-    k % ``slots``, and each storage's part of a piece is copied to its place on the device with
-    ``non_blocking=True``. Before a buffer is filled again, its reader waits on the event
-    recorded after the copies out of it; the next pieces are read while a piece's copies run.
-    Two ways to read a piece (``read``):
+    begin: int
+    length: int
+    parts: list[tuple[int, int, int, int]]
+    file: int = 0
+
+
+def _interleaved(runs: list[list[_Chunk]]) -> list[_Chunk]:
+    """The chunks of several files in one order, each file's spread evenly over it (chunk k of
+    n at (k + 1/2) / n of the way), so that readers work in every file at once, to the end."""
+    placed = [((k + 0.5) / len(run), chunk.file, chunk)
+              for run in runs for k, chunk in enumerate(run)]
+    return [chunk for *_, chunk in sorted(placed, key=lambda entry: entry[:2])]
+
+
+class CheckpointLoader:
+    """Load a checkpoint onto ``device`` through a ring of reused (pinned) host buffers, each
+    filled from the file while the ones before it cross the link (notebook 12). A checkpoint:
+    a ``torch.save`` file, a .safetensors file, or a sharded one (its ``*.index.json``, or a
+    list of its files).
+
+    ``checkpoint_layout`` gives the index: every tensor's dtype, shape and storage, and where
+    its bytes lie in the file, without reading them (a torch file's from
+    ``torch.load(map_location="meta")``, a safetensors file's from its header). The file's data,
+    from its first storage to the end of its last, is then read in ``chunk_bytes`` pieces,
+    piece k into buffer k % ``slots``, and each storage's part of a piece is copied to its
+    place on the device with ``non_blocking=True``. The pieces of several files (shards) are
+    interleaved, so that the readers work in all of them at once. Before a buffer is filled
+    again, its reader waits on the event recorded after the copies out of it; the next pieces
+    are read while a piece's copies run. Two ways to read a piece (``read``):
 
     - ``"pread"``: ``os.preadv`` of the whole piece, by a pool of ``threads`` threads (each a
       system call that copies from the page cache, or waits for the disk, in the kernel; by
       default one per usable CPU, at most ``MAX_THREADS``);
     - ``"mmap"``: ``copy_`` from the mapped storages into the buffer, on the calling thread
-      (page faults map the file's pages in; PyTorch's intra-op pool does the copy).
+      (page faults map the file's pages in; PyTorch's intra-op pool does the copy). A torch
+      file is indexed by ``torch.load(mmap=True)`` then (``checkpoint_index``), which maps it.
 
-    ``load`` returns what ``torch.load`` would, with tensors on ``device`` (storages shared in
-    the file are shared there too; a ``Parameter`` comes back as a plain tensor); the copies
-    are queued on the current stream of ``device``, so work queued after on that stream sees
-    them done. ``read`` does the reading alone, for the host's side of the ceiling. Buffers are
-    pinned where ``device`` is CUDA (``pin``), and kept between calls.
+    ``load`` returns what ``torch.load`` would (a {name: tensor} dict for safetensors), with
+    tensors on ``device`` (storages shared in the file are shared there too; a ``Parameter``
+    comes back as a plain tensor); the copies are queued on the current stream of ``device``,
+    so work queued after on that stream sees them done. ``read`` does the reading alone, for
+    the host's side of the ceiling. Buffers are pinned where ``device`` is CUDA (``pin``), and
+    kept between calls.
     """
 
     READS = ("pread", "mmap")
@@ -3027,12 +3053,17 @@ class CheckpointLoader:
 
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="checkpoint-read")
 
-    def _pieces(self, stored: list[_Stored]):
-        """Per chunk of the data range: (file offset, length, [(storage index, offset in the
-        chunk, offset in the storage, bytes)])."""
-        present = [(i, s) for i, s in enumerate(stored) if s.nbytes]
-        if not present:
-            return []
+    def _pieces(self, stored: list[_Stored]) -> list[_Chunk]:
+        """The chunks to read: each file's data range in chunks, the files' interleaved."""
+        present: dict[int, list[tuple[int, _Stored]]] = {}
+        for index, s in enumerate(stored):
+            if s.nbytes:
+                present.setdefault(s.file, []).append((index, s))
+        return _interleaved([self._file_pieces(file, present[file]) for file in sorted(present)])
+
+    def _file_pieces(self, file: int, present: list[tuple[int, _Stored]]) -> list[_Chunk]:
+        """One file's chunks, from its first storage to the end of its last (``present``: the
+        storages with bytes, by number, in offset order)."""
         low = present[0][1].offset
         high = max(s.offset + s.nbytes for _, s in present)
         chunks, first = [], 0
@@ -3048,26 +3079,26 @@ class CheckpointLoader:
                 a, b = max(begin, s.offset), min(end, s.offset + s.nbytes)
                 if b > a:
                     parts.append((index, a - begin, a - s.offset, b - a))
-            chunks.append((begin, end - begin, parts))
+            chunks.append(_Chunk(begin, end - begin, parts, file))
         return chunks
 
-    def _fill(self, slot: int, fence, fd: int | None, chunk, stored) -> None:
+    def _fill(self, slot: int, fence, fd: int | None, chunk: _Chunk, stored) -> None:
         """Read one chunk into buffer ``slot``, once the copies that last read it are done."""
         if fence is not None:
             fence.synchronize()
-        begin, length, parts = chunk
         buffer = self.buffers[slot]
         if fd is None:  # through the mapping
-            for index, at, offset, nbytes in parts:
+            for index, at, offset, nbytes in chunk.parts:
                 source = torch.empty(0, dtype=torch.uint8).set_(stored[index].mapped)
                 buffer[at:at + nbytes].copy_(source[offset:offset + nbytes])
             return
-        window = (ctypes.c_char * length).from_address(buffer.data_ptr())
+        window = (ctypes.c_char * chunk.length).from_address(buffer.data_ptr())
         view, done = memoryview(window).cast("B"), 0
-        while done < length:
-            got = os.preadv(fd, [view[done:]], begin + done)
+        while done < chunk.length:
+            got = os.preadv(fd, [view[done:]], chunk.begin + done)
             if got == 0:
-                raise EOFError(f"the file ended {length - done} bytes before its last tensor")
+                raise EOFError(f"the file ended {chunk.length - done} bytes before its last "
+                               "tensor")
             done += got
 
     def _record(self):
@@ -3078,16 +3109,31 @@ class CheckpointLoader:
         event.record(torch.cuda.current_stream(self.device))  # the stream the copies went on
         return event
 
-    def _stream(self, path, stored, destinations) -> int:
+    def _open(self, files: Sequence[str]) -> list[int | None]:
+        """A descriptor per file for the pread readers (None each, to read through mappings)."""
+        if self.read_mode != "pread":
+            return [None] * len(files)
+        fds: list[int | None] = []
+        try:
+            for path in files:
+                fds.append(os.open(path, os.O_RDONLY))
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
+    def _stream(self, files: Sequence[str], stored: list[_Stored], destinations) -> int:
         """Read every chunk, copying each one's parts to ``destinations`` (None: read only).
         Returns the bytes read."""
         chunks = self._pieces(stored)
-        fd = os.open(path, os.O_RDONLY) if self.read_mode == "pread" else None
+        fds = self._open(files)
         pending: dict[int, object] = {}
 
         def start(k):
             slot = k % self.slots
             fence, self._fences[slot] = self._fences[slot], None
+            fd = fds[chunks[k].file]
             if self._pool is None:
                 self._fill(slot, fence, fd, chunks[k], stored)
                 return None
@@ -3101,13 +3147,13 @@ class CheckpointLoader:
         try:
             for k in range(min(ahead, len(chunks))):
                 pending[k] = start(k)
-            for k, (_, _, parts) in enumerate(chunks):
+            for k, chunk in enumerate(chunks):
                 if pending[k] is not None:
                     pending[k].result()
                 del pending[k]
                 buffer = self.buffers[k % self.slots]
                 if destinations is not None:
-                    for index, at, offset, nbytes in parts:
+                    for index, at, offset, nbytes in chunk.parts:
                         destinations[index][offset:offset + nbytes].copy_(
                             buffer[at:at + nbytes], non_blocking=True)
                     self._fences[k % self.slots] = self._record()
@@ -3117,37 +3163,41 @@ class CheckpointLoader:
             for future in pending.values():  # after an error: let the readers finish first
                 if future is not None:
                     future.exception()
-            if fd is not None:
-                os.close(fd)
-        return sum(length for _, length, _ in chunks)
+            for fd in fds:
+                if fd is not None:
+                    os.close(fd)
+        return sum(chunk.length for chunk in chunks)
 
-    def read(self, path: str | os.PathLike, alongside: Callable[[], object] | None = None) -> int:
+    def _layout(self, source) -> CheckpointLayout:
+        # copying from the mapping needs the storages mapped; pread needs offsets alone
+        return checkpoint_layout(source, mapped=self.read_mode == "mmap")
+
+    def read(self, source, alongside: Callable[[], object] | None = None) -> int:
         """Read the checkpoint's data through the buffers, copying nothing to the device: the
-        host's side of a load. Returns the bytes read.
+        host's side of a load, index included. Returns the bytes read.
 
         ``alongside`` is called once the index is read, before the data is: it can queue work
         that runs beside the read and competes with it (copies over the link, which read the
         host's memory too), to time both trips together.
         """
-        _, stored = checkpoint_index(path)
+        layout = self._layout(source)
         if alongside is not None:
             alongside()
-        return self._stream(path, stored, None)
+        return self._stream(layout.files, layout.stored, None)
 
-    def load(self, path: str | os.PathLike):
-        loaded, stored = checkpoint_index(path)
+    def load(self, source):
+        """The checkpoint on ``device``: what ``torch.load`` returns for a torch file, a
+        {name: tensor} dict for safetensors (a sharded one's tensors all in one dict)."""
+        layout = self._layout(source)
         destinations = [torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
-                        for s in stored]
-        self._stream(path, stored, destinations)
-        where = {s.mapped.data_ptr(): d.untyped_storage()
-                 for s, d in zip(stored, destinations, strict=True)}
+                        for s in layout.stored]
+        self._stream(layout.files, layout.stored, destinations)
 
-        def place(tensor):
-            storage = where[tensor.untyped_storage().data_ptr()]
-            return torch.empty(0, dtype=tensor.dtype, device=self.device).set_(
-                storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+        def place(p: _Placed) -> torch.Tensor:
+            return torch.empty(0, dtype=p.dtype, device=self.device).set_(
+                destinations[p.stored].untyped_storage(), p.storage_offset, p.shape, p.stride)
 
-        return map_tensors(place, loaded)
+        return _map_placed(place, layout.structure)
 
     def close(self) -> None:
         """Stop the reading threads (the buffers go when the loader does)."""
