@@ -2161,6 +2161,34 @@ def test_checkpoint_meta_layout_of_a_torch_file_finds_what_the_mapping_finds(tmp
     assert all(s.mapped is not None for s in fallback.stored)
 
 
+@pytest.mark.parametrize("read", helpers.CheckpointLoader.READS)
+def test_checkpoint_loader_read_file_reads_every_byte_of_the_files_and_no_index(tmp_path,
+                                                                               monkeypatch,
+                                                                               read):
+    index, shards, _ = _sharded(tmp_path)
+    torch_file = tmp_path / "c.pt"
+    _checkpoint(torch_file)
+    loader = helpers.CheckpointLoader("cpu", read=read, chunk_bytes=CHUNK, threads=2, slots=4)
+    seen, fill = [], loader._fill
+
+    def filling(slot, fence, fd, chunk, stored):
+        fill(slot, fence, fd, chunk, stored)
+        got = loader.buffers[slot][:chunk.length].numpy().tobytes()
+        seen.append((chunk.file, chunk.begin, got))
+
+    monkeypatch.setattr(loader, "_fill", filling)
+    monkeypatch.setattr(helpers, "checkpoint_layout", None)  # no index is made
+    try:
+        for source, files in ((torch_file, [torch_file]), (index, shards)):
+            seen.clear()
+            assert loader.read_file(source) == sum(os.path.getsize(f) for f in files)
+            for number, path in enumerate(files):
+                pieces = sorted((begin, got) for file, begin, got in seen if file == number)
+                assert b"".join(got for _, got in pieces) == path.read_bytes()
+    finally:
+        loader.close()
+
+
 def test_a_truncated_checkpoint_raises_a_clear_error(tmp_path):
     path = tmp_path / "m.safetensors"
     _save_safetensors(path, _tensors())
@@ -2187,7 +2215,7 @@ def test_checkpoint_loader_names_the_missing_shard_of_a_sharded_index(tmp_path):
     shards[1].unlink()
     loader = helpers.CheckpointLoader("cpu", chunk_bytes=CHUNK, threads=2)
     try:
-        for call in (loader.load, loader.read):
+        for call in (loader.load, loader.read, loader.read_file):
             with pytest.raises(FileNotFoundError, match=r"index.json names files that are not "
                                r"there: \[.*model-00002-of-00003.safetensors"):
                 call(index)
