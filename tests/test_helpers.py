@@ -2110,6 +2110,20 @@ def test_checkpoint_loader_loads_a_sharded_checkpoint_into_one_dict(tmp_path, re
         loader.close()
 
 
+@needs_cuda
+def test_checkpoint_loader_on_the_gpu_loads_a_sharded_safetensors_checkpoint(tmp_path):
+    index, _, union = _sharded(tmp_path)
+    loader = helpers.CheckpointLoader("cuda", chunk_bytes=CHUNK, threads=3)
+    try:
+        first = loader.load(index)
+        second = loader.load(index)  # no sync between: its reads wait for the first's copies
+        torch.cuda.synchronize()
+    finally:
+        loader.close()
+    for loaded in (first, second):
+        assert all(t.is_cuda for t in loaded.values()) and _same(loaded, union)
+
+
 def test_checkpoint_loader_reads_the_shards_at_once(tmp_path, monkeypatch):
     index, shards, union = _sharded(tmp_path)
     # one reading thread: the chunks are read in the order of the list
