@@ -445,14 +445,27 @@ def badge(name: str, conf: dict) -> str:
 
 def blank_notebook(nb):
     """The notebook as a reader who predicts before running gets it: the same cells, no
-    outputs, no execution counts or timings."""
+    outputs, no execution counts or timings, and the answers in words behind a click (Colab
+    shows a markdown cell whatever its metadata says)."""
     nb = copy.deepcopy(nb)
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
         if cell.cell_type == "code":
             cell.outputs = []
             cell.execution_count = None
+    fold_answers_in_words(nb)
     return nb
+
+
+def fold_answers_in_words(nb) -> None:
+    """Each short answer, and each answer in words after a solution, inside ``<details>``: plain
+    HTML that Colab, GitHub, JupyterLab and the site all show folded."""
+    answers = set(answer_cells(nb))
+    for i, cell in enumerate(nb.cells):
+        if i in answers or is_short_answer(cell):
+            summary = ANSWER_SUMMARY if i in answers else SHORT_SUMMARY
+            cell.source = (f'<details class="answer">\n<summary>{summary}</summary>'
+                           f"\n\n{cell.source}\n\n</details>")
 
 
 def write_blank_copies(out: Path) -> list[Path]:
@@ -1481,13 +1494,9 @@ def site_notebook(nb, name: str, conf: dict):
         if cell.cell_type == "code":
             cell.outputs = merged_text_displays(cell.get("outputs", []))
     nb.cells = [part for cell in nb.cells for part in figure_cells(cell)]
-    answers = set(answer_cells(nb))
-    for i, cell in enumerate(nb.cells):  # answers, folded as a solution is, behind a click
-        if i in answers or is_short_answer(cell):
-            summary = ANSWER_SUMMARY if i in answers else SHORT_SUMMARY
-            cell.source = (f'<details class="answer">\n<summary>{summary}</summary>'
-                           f"\n\n{cell.source}\n\n</details>")
-        elif is_bookkeeping_cell(cell) and is_folded(cell):
+    fold_answers_in_words(nb)  # folded as a solution is, behind a click
+    for cell in nb.cells:
+        if is_bookkeeping_cell(cell) and is_folded(cell):
             cell.metadata.setdefault("tags", []).append(HIDE_TAG)
             cell.metadata.setdefault("mystnb", {}).update(code_prompt_show=CHECKS_PROMPT,
                                                           code_prompt_hide="Hide them")
