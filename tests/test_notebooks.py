@@ -476,11 +476,13 @@ def test_the_site_shows_the_set_up_cell_without_its_output(notebook):
 
 
 def test_a_bare_issue_reference_is_caught_and_linked_once():
-    text = "it raises (pytorch/pytorch#85796); see [pytorch/pytorch#1](https://x.org/1)."
+    text = ("it raises (pytorch/pytorch#85796, NVIDIA/apex #304); see "
+            "[pytorch/pytorch#1](https://x.org/1).")
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text)])
-    assert len(nbtool.issue_link_problems("00_x.ipynb", nb)) == 1
+    assert len(nbtool.issue_link_problems("00_x.ipynb", nb)) == 2
     linked = nbtool.linked_issues(text)
     assert "[pytorch/pytorch#85796](https://github.com/pytorch/pytorch/issues/85796)" in linked
+    assert "[NVIDIA/apex#304](https://github.com/NVIDIA/apex/issues/304)" in linked
     assert nbtool.linked_issues(linked) == linked
     nb.cells[0].source = linked
     assert nbtool.issue_link_problems("00_x.ipynb", nb) == []

@@ -634,7 +634,7 @@ def figure_problems(name: str, nb) -> list[str]:
 
 
 # "owner/repo#123" in prose, not already the text of a link: GitHub links it, a notebook doesn't
-_BARE_ISSUE = re.compile(r"(?<![\[\w/.-])([\w.-]+/[\w.-]+)#(\d+)(?!\]|\w)")
+_BARE_ISSUE = re.compile(r"(?<![\[\w/.-])([\w.-]+/[\w.-]+) ?#(\d+)(?!\]|\w)")  # "a/b #1" too
 
 
 def linked_issues(markdown: str) -> str:
