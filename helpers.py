@@ -17,7 +17,8 @@ or on Colab downloads this one file). Sections:
                      offloaded to pinned host memory on side streams (OffloadHooks)
 9. Check-up          time and profile a training step; name what it spends on moving data
 10. Checkpoints      the page cache (residency, eviction), page faults and disk reads of a
-                     call, peak host memory, a checkpoint loader through reused pinned buffers
+                     call, peak host memory; where a checkpoint's tensors lie (torch.save,
+                     safetensors, shards) and a loader through reused pinned buffers
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import ctypes
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
 import re
@@ -37,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -2760,19 +2763,80 @@ def _mapping_of(address: int, mappings: list[tuple[int, int, int, str]]):
 
 @dataclass(frozen=True)
 class _Stored:
-    """One storage of a checkpoint: where its bytes lie in the file, and the storage that
-    ``torch.load(mmap=True)`` mapped onto them."""
+    """One storage of a checkpoint (in a safetensors file: one tensor's bytes): where its bytes
+    lie, in which of the checkpoint's files, and for the loader that reads through a mapping,
+    the storage mapped onto them (by ``torch.load(mmap=True)``, or a mapping of the file)."""
 
     offset: int
     nbytes: int
-    mapped: torch.UntypedStorage
+    mapped: torch.UntypedStorage | None = None  # None: the index mapped nothing
+    file: int = 0  # the number of its file among the checkpoint's (a shard's)
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """One tensor of a checkpoint, before its data is read: a view of storage number
+    ``stored`` of its ``CheckpointLayout``, with the dtype, shape and stride it was saved with."""
+
+    stored: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int = 0
+
+
+def _map_placed(fn: Callable[[_Placed], object], structure):
+    """``map_tensors`` for the ``_Placed`` leaves of a layout's structure (containers rebuilt
+    alike). Apart from ``map_tensors``, whose text the outputs of the notebooks that use it are
+    stamped with: a change there would have them all re-run."""
+    if isinstance(structure, _Placed):
+        return fn(structure)
+    if isinstance(structure, tuple) and hasattr(structure, "_fields"):  # namedtuple
+        return type(structure)(*(_map_placed(fn, item) for item in structure))
+    if isinstance(structure, (tuple, list)):
+        return type(structure)(_map_placed(fn, item) for item in structure)
+    if isinstance(structure, dict):
+        mapped = {key: _map_placed(fn, value) for key, value in structure.items()}
+        try:
+            return type(structure)(mapped)
+        except TypeError:  # a dict subclass whose constructor takes something else
+            return mapped
+    return structure
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """What notebook 12's loader knows of a checkpoint before it reads the data: its files,
+    every storage once with where its bytes lie (``stored``, in file then offset order), and
+    ``structure``, the result to build: what ``torch.load`` returns (a {name: tensor} dict for
+    safetensors), with a ``_Placed`` where each tensor goes."""
+
+    files: tuple[str, ...]
+    stored: list[_Stored]
+    structure: object
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of all its storages: what a load copies to the device."""
+        return sum(s.nbytes for s in self.stored)
+
+
+def _torch_load(path: str | os.PathLike, **options):
+    """``torch.load(weights_only=True)``, its failure named with the file (a truncated file has
+    lost the zip directory at its end: torch says so, and that the file may be corrupted)."""
+    try:
+        return torch.load(path, weights_only=True, **options)
+    except RuntimeError as error:
+        raise ValueError(f"cannot index {path} as a torch.save file: {error}") from error
 
 
 def checkpoint_index(path: str | os.PathLike):
     """What ``torch.load(path, mmap=True)`` returns (every tensor a view of the file, nothing
     read yet), and its storages in file order, each with the offset of its bytes in the file,
-    read off the mapping (/proc/self/maps). Storages shared by several tensors count once."""
-    loaded = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    read off the mapping (/proc/self/maps). Storages shared by several tensors count once.
+    Notebook 12's loader indexes this way where it reads through the mapping (``read="mmap"``);
+    ``torch_file_layout`` finds the offsets without mapping anything."""
+    loaded = _torch_load(path, mmap=True, map_location="cpu")
     storages: dict[int, torch.UntypedStorage] = {}
     map_tensors(lambda t: storages.setdefault(t.untyped_storage().data_ptr(),
                                               t.untyped_storage()), loaded)
@@ -2790,29 +2854,264 @@ def checkpoint_index(path: str | os.PathLike):
     return loaded, sorted(stored, key=lambda s: s.offset)
 
 
-class CheckpointLoader:
-    """Load a ``torch.save`` checkpoint onto ``device`` through a ring of reused (pinned) host
-    buffers, each filled from the file while the ones before it cross the link.
+def _placed(number: int, tensor: torch.Tensor) -> _Placed:
+    return _Placed(number, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+                   tensor.storage_offset())
 
-    ``torch.load(mmap=True)`` gives the index: every tensor's dtype, shape and storage, and
-    where its bytes lie in the file, without reading them. The file's data, from its first
-    storage to the end of its last, is then read in ``chunk_bytes`` pieces, piece k into buffer
-    k % ``slots``, and each storage's part of a piece is copied to its place on the device with
-    ``non_blocking=True``. Before a buffer is filled again, its reader waits on the event
-    recorded after the copies out of it; the next pieces are read while a piece's copies run.
-    Two ways to read a piece (``read``):
+
+def _torch_layout(path, loaded, storages: dict, key: Callable) -> CheckpointLayout:
+    """The layout of a torch file from what ``torch.load`` returned, given its storages, each
+    under the ``key(tensor)`` of the tensors that view it (so a shared one counts once)."""
+    order = sorted(storages, key=lambda k: storages[k].offset)
+    number = {k: i for i, k in enumerate(order)}
+    structure = map_tensors(lambda t: _placed(number[key(t)], t), loaded)
+    return CheckpointLayout((os.fspath(path),), [storages[k] for k in order], structure)
+
+
+def _checkpoint_offset(tensor: torch.Tensor) -> int | None:
+    """Where the bytes of a tensor's storage lie in its file, noted by ``torch.load`` with
+    ``map_location="meta"`` on the meta storage (torch 2.11 does); None where a torch does not."""
+    return getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
+
+
+def _meta_layout(path, file: int) -> CheckpointLayout | None:
+    """A torch file's layout from ``torch.load(map_location="meta")``: the pickle and the zip's
+    directory are read, no data, nothing mapped. None where torch gave no offsets."""
+    loaded = _torch_load(path, map_location="meta")
+    tensors: list[torch.Tensor] = []
+    map_tensors(tensors.append, loaded)
+    storages: dict[int, _Stored] = {}
+    for tensor in tensors:
+        offset = _checkpoint_offset(tensor)
+        if offset is None:
+            return None
+        if offset not in storages:  # the first tensor of a shared storage
+            storages[offset] = _Stored(offset, tensor.untyped_storage().nbytes(), None, file)
+    return _torch_layout(path, loaded, storages, _checkpoint_offset)
+
+
+def torch_file_layout(path: str | os.PathLike, file: int = 0, *,
+                      mapped: bool = False) -> CheckpointLayout:
+    """A ``torch.save`` file's layout (notebook 12), with ``file`` its number in a sharded
+    checkpoint. By default from ``torch.load(map_location="meta")``, which notes each storage's
+    offset in the file and reads no data; with ``mapped`` (for a loader that copies from the
+    mapping), or where this torch notes no offsets, from ``checkpoint_index``'s mapping."""
+    if not mapped:
+        layout = _meta_layout(path, file)
+        if layout is not None:
+            return layout
+    loaded, stored = checkpoint_index(path)
+    storages = {s.mapped.data_ptr(): replace(s, file=file) for s in stored}
+    return _torch_layout(path, loaded, storages, lambda t: t.untyped_storage().data_ptr())
+
+
+#: safetensors' names of the dtypes it stores (little-endian), and the torch dtypes they are
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64,
+    "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+    "C64": torch.complex64}
+
+
+def safetensors_header(path: str | os.PathLike) -> tuple[int, dict]:
+    """A .safetensors file's header, and the offset where its data begin (notebook 12). The
+    file opens with the header's length (8 bytes, little-endian), then the header, JSON:
+    {name: {"dtype", "shape", "data_offsets": [begin, end]}, optional "__metadata__"}, each
+    tensor's offsets counted from the data's start. Reads the header alone, none of the data."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        length = int.from_bytes(f.read(8), "little") if size >= 8 else 0
+        if size < 8 or 8 + length > size:
+            raise ValueError(f"{path} is truncated: {size} bytes, too few for the safetensors "
+                             f"header it announces ({length} bytes after the first 8)")
+        text = f.read(length)
+    try:
+        header = json.loads(text)
+    except ValueError as error:  # not UTF-8, or not JSON
+        raise ValueError(f"{path}: its safetensors header is not JSON ({error})") from error
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: its safetensors header is not a JSON object")
+    return 8 + length, header
+
+
+def _safetensors_entry(path, name: str, entry) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    """One tensor of a safetensors header, checked: its dtype, shape, and its bytes' begin and
+    end counted from the data's start."""
+    try:
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+        shape = tuple(int(n) for n in entry["shape"])
+        begin, end = (int(n) for n in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path}: tensor {name!r} has a dtype, shape or data_offsets this "
+                         f"parser does not know: {entry!r}") from error
+    expected = math.prod(shape) * dtype.itemsize
+    if begin < 0 or end - begin != expected:
+        raise ValueError(f"{path}: tensor {name!r} spans bytes {begin} to {end}; its dtype and "
+                         f"shape need {expected}")
+    return dtype, shape, begin, end
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a row-major tensor of ``shape``, as torch gives them (an empty dimension
+    counts as one, so that ``torch.empty(0, 4)`` has strides (4, 1))."""
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _map_file(path: str | os.PathLike) -> torch.UntypedStorage:
+    """A file's bytes as a storage mapped onto the file: nothing is read until touched, then
+    page faults bring its pages in. A private mapping, so that torch can take it (it wants a
+    writable buffer); nothing writes to it."""
+    import mmap
+
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:  # mmap refuses an empty file
+            return torch.UntypedStorage(0)
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    return torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()  # keeps it alive
+
+
+def safetensors_layout(path: str | os.PathLike, file: int = 0, *,
+                       mapped: bool = False) -> CheckpointLayout:
+    """A .safetensors file's layout from its header alone (notebook 12): each tensor its own
+    storage, in file order, the result a {name: tensor} dict in that order. With ``mapped``,
+    each storage is also mapped from the file (for the loader that copies from the mapping).
+    Raises ValueError where the file is shorter than its header says."""
+    data_start, header = safetensors_header(path)
+    size = os.path.getsize(path)
+    tensors = sorted(((name, *_safetensors_entry(path, name, entry))
+                      for name, entry in header.items() if name != "__metadata__"),
+                     key=lambda tensor: tensor[3:])  # in file order: by begin, then end
+    whole = _map_file(path) if mapped else None
+    stored, structure = [], {}
+    for name, dtype, shape, begin, end in tensors:
+        if data_start + end > size:
+            raise ValueError(f"{path} is truncated: tensor {name!r} ends at byte "
+                             f"{data_start + end}, the file holds {size}")
+        offset = data_start + begin
+        view = None if whole is None else whole[offset:data_start + end]
+        structure[name] = _Placed(len(stored), dtype, shape, _contiguous_stride(shape))
+        stored.append(_Stored(offset, end - begin, view, file))
+    return CheckpointLayout((os.fspath(path),), stored, structure)
+
+
+def checkpoint_files(source) -> list[str]:
+    """The files of a checkpoint (notebook 12): ``source`` itself; for a sharded checkpoint's
+    ``*.index.json``, the shards its "weight_map" ({tensor name: file name}, the files next to
+    it) names, in the order first named; for a list, its paths. FileNotFoundError names any
+    that is missing, before anything is read."""
+    named = isinstance(source, (str, os.PathLike))
+    if not named:
+        files = [os.fspath(p) for p in source]
+    elif os.fspath(source).endswith(".json"):
+        index = json.loads(Path(source).read_text())
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise ValueError(f"{source} has no weight_map: not a sharded checkpoint's index")
+        directory = os.path.dirname(os.fspath(source))
+        files = [os.path.join(directory, name) for name in dict.fromkeys(
+            index["weight_map"].values())]
+    else:
+        files = [os.fspath(source)]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        where = os.fspath(source) if named else "the list of files"
+        raise FileNotFoundError(f"{where} names files that are not there: {missing}")
+    return files
+
+
+def _is_safetensors(path: str) -> bool:
+    """Whether a file is a safetensors one: by its name, or by its start (8 bytes of header
+    length, then the JSON's "{"; a torch.save file is a zip archive, which starts "PK")."""
+    if path.endswith(".safetensors"):
+        return True
+    with open(path, "rb") as f:
+        return f.read(9)[8:] == b"{"
+
+
+def _merged(layouts: list[CheckpointLayout]) -> CheckpointLayout:
+    """One layout of several files (shards), each a {name: tensor} dict: their storages in one
+    list, numbered on, their tensors in one dict."""
+    stored: list[_Stored] = []
+    structure: dict = {}
+    for layout in layouts:
+        if not isinstance(layout.structure, dict):
+            raise ValueError(f"{layout.files[0]} is no {{name: tensor}} dict: not a shard")
+        base = len(stored)  # the number of this file's first storage
+        for name, value in layout.structure.items():
+            if name in structure:
+                raise ValueError(f"{name!r} is in two shards (the second: {layout.files[0]})")
+            structure[name] = _map_placed(
+                lambda p, base=base: replace(p, stored=p.stored + base), value)
+        stored += layout.stored
+    return CheckpointLayout(tuple(f for layout in layouts for f in layout.files), stored,
+                            structure)
+
+
+def checkpoint_layout(source, *, mapped: bool = False) -> CheckpointLayout:
+    """The index of a checkpoint, the cheapest way its format allows (notebook 12): for a
+    .safetensors file, its header; for a ``torch.save`` file, ``torch.load(map_location=
+    "meta")`` (``torch_file_layout``). ``source``: one file, a sharded checkpoint's
+    ``*.index.json``, or a list of shard paths (their tensors in one dict). With ``mapped``,
+    every storage is mapped from its file too, for a loader that copies from the mapping."""
+    layouts = []
+    for number, path in enumerate(checkpoint_files(source)):
+        of_file = safetensors_layout if _is_safetensors(path) else torch_file_layout
+        layouts.append(of_file(path, number, mapped=mapped))
+    return layouts[0] if len(layouts) == 1 else _merged(layouts)
+
+
+class _Chunk(typing.NamedTuple):
+    """A piece of one file that the loader reads into one buffer: ``length`` bytes from
+    ``begin``, and ``parts``: (storage number, offset in the chunk, offset in the storage,
+    bytes) for each storage it holds bytes of."""
+
+    begin: int
+    length: int
+    parts: list[tuple[int, int, int, int]]
+    file: int = 0
+
+
+def _interleaved(runs: list[list[_Chunk]]) -> list[_Chunk]:
+    """The chunks of several files in one order, each file's spread evenly over it (chunk k of
+    n at (k + 1/2) / n of the way), so that readers work in every file at once, to the end."""
+    placed = [((k + 0.5) / len(run), chunk.file, chunk)
+              for run in runs for k, chunk in enumerate(run)]
+    return [chunk for *_, chunk in sorted(placed, key=lambda entry: entry[:2])]
+
+
+class CheckpointLoader:
+    """Load a checkpoint onto ``device`` through a ring of reused (pinned) host buffers, each
+    filled from the file while the ones before it cross the link (notebook 12). A checkpoint:
+    a ``torch.save`` file, a .safetensors file, or a sharded one (its ``*.index.json``, or a
+    list of its files).
+
+    ``checkpoint_layout`` gives the index: every tensor's dtype, shape and storage, and where
+    its bytes lie in the file, without reading them (a torch file's from
+    ``torch.load(map_location="meta")``, a safetensors file's from its header). The file's data,
+    from its first storage to the end of its last, is then read in ``chunk_bytes`` pieces,
+    piece k into buffer k % ``slots``, and each storage's part of a piece is copied to its
+    place on the device with ``non_blocking=True``. The pieces of several files (shards) are
+    interleaved, so that the readers work in all of them at once. Before a buffer is filled
+    again, its reader waits on the event recorded after the copies out of it; the next pieces
+    are read while a piece's copies run. Two ways to read a piece (``read``):
 
     - ``"pread"``: ``os.preadv`` of the whole piece, by a pool of ``threads`` threads (each a
       system call that copies from the page cache, or waits for the disk, in the kernel; by
       default one per usable CPU, at most ``MAX_THREADS``);
     - ``"mmap"``: ``copy_`` from the mapped storages into the buffer, on the calling thread
-      (page faults map the file's pages in; PyTorch's intra-op pool does the copy).
+      (page faults map the file's pages in; PyTorch's intra-op pool does the copy). A torch
+      file is indexed by ``torch.load(mmap=True)`` then (``checkpoint_index``), which maps it.
 
-    ``load`` returns what ``torch.load`` would, with tensors on ``device`` (storages shared in
-    the file are shared there too; a ``Parameter`` comes back as a plain tensor); the copies
-    are queued on the current stream of ``device``, so work queued after on that stream sees
-    them done. ``read`` does the reading alone, for the host's side of the ceiling. Buffers are
-    pinned where ``device`` is CUDA (``pin``), and kept between calls.
+    ``load`` returns what ``torch.load`` would (a {name: tensor} dict for safetensors), with
+    tensors on ``device`` (storages shared in the file are shared there too; a ``Parameter``
+    comes back as a plain tensor); the copies are queued on the current stream of ``device``,
+    so work queued after on that stream sees them done. ``read`` does the reading alone, for
+    the host's side of the ceiling; ``read_file`` reads the whole files, with no index. Buffers
+    are pinned where ``device`` is CUDA (``pin``), and kept between calls.
     """
 
     READS = ("pread", "mmap")
@@ -2844,12 +3143,17 @@ class CheckpointLoader:
 
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="checkpoint-read")
 
-    def _pieces(self, stored: list[_Stored]):
-        """Per chunk of the data range: (file offset, length, [(storage index, offset in the
-        chunk, offset in the storage, bytes)])."""
-        present = [(i, s) for i, s in enumerate(stored) if s.nbytes]
-        if not present:
-            return []
+    def _pieces(self, stored: list[_Stored]) -> list[_Chunk]:
+        """The chunks to read: each file's data range in chunks, the files' interleaved."""
+        present: dict[int, list[tuple[int, _Stored]]] = {}
+        for index, s in enumerate(stored):
+            if s.nbytes:
+                present.setdefault(s.file, []).append((index, s))
+        return _interleaved([self._file_pieces(file, present[file]) for file in sorted(present)])
+
+    def _file_pieces(self, file: int, present: list[tuple[int, _Stored]]) -> list[_Chunk]:
+        """One file's chunks, from its first storage to the end of its last (``present``: the
+        storages with bytes, by number, in offset order)."""
         low = present[0][1].offset
         high = max(s.offset + s.nbytes for _, s in present)
         chunks, first = [], 0
@@ -2865,26 +3169,26 @@ class CheckpointLoader:
                 a, b = max(begin, s.offset), min(end, s.offset + s.nbytes)
                 if b > a:
                     parts.append((index, a - begin, a - s.offset, b - a))
-            chunks.append((begin, end - begin, parts))
+            chunks.append(_Chunk(begin, end - begin, parts, file))
         return chunks
 
-    def _fill(self, slot: int, fence, fd: int | None, chunk, stored) -> None:
+    def _fill(self, slot: int, fence, fd: int | None, chunk: _Chunk, stored) -> None:
         """Read one chunk into buffer ``slot``, once the copies that last read it are done."""
         if fence is not None:
             fence.synchronize()
-        begin, length, parts = chunk
         buffer = self.buffers[slot]
         if fd is None:  # through the mapping
-            for index, at, offset, nbytes in parts:
+            for index, at, offset, nbytes in chunk.parts:
                 source = torch.empty(0, dtype=torch.uint8).set_(stored[index].mapped)
                 buffer[at:at + nbytes].copy_(source[offset:offset + nbytes])
             return
-        window = (ctypes.c_char * length).from_address(buffer.data_ptr())
+        window = (ctypes.c_char * chunk.length).from_address(buffer.data_ptr())
         view, done = memoryview(window).cast("B"), 0
-        while done < length:
-            got = os.preadv(fd, [view[done:]], begin + done)
+        while done < chunk.length:
+            got = os.preadv(fd, [view[done:]], chunk.begin + done)
             if got == 0:
-                raise EOFError(f"the file ended {length - done} bytes before its last tensor")
+                raise EOFError(f"the file ended {chunk.length - done} bytes before its last "
+                               "tensor")
             done += got
 
     def _record(self):
@@ -2895,16 +3199,31 @@ class CheckpointLoader:
         event.record(torch.cuda.current_stream(self.device))  # the stream the copies went on
         return event
 
-    def _stream(self, path, stored, destinations) -> int:
+    def _open(self, files: Sequence[str]) -> list[int | None]:
+        """A descriptor per file for the pread readers (None each, to read through mappings)."""
+        if self.read_mode != "pread":
+            return [None] * len(files)
+        fds: list[int | None] = []
+        try:
+            for path in files:
+                fds.append(os.open(path, os.O_RDONLY))
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
+    def _stream(self, files: Sequence[str], stored: list[_Stored], destinations) -> int:
         """Read every chunk, copying each one's parts to ``destinations`` (None: read only).
         Returns the bytes read."""
         chunks = self._pieces(stored)
-        fd = os.open(path, os.O_RDONLY) if self.read_mode == "pread" else None
+        fds = self._open(files)
         pending: dict[int, object] = {}
 
         def start(k):
             slot = k % self.slots
             fence, self._fences[slot] = self._fences[slot], None
+            fd = fds[chunks[k].file]
             if self._pool is None:
                 self._fill(slot, fence, fd, chunks[k], stored)
                 return None
@@ -2918,13 +3237,13 @@ class CheckpointLoader:
         try:
             for k in range(min(ahead, len(chunks))):
                 pending[k] = start(k)
-            for k, (_, _, parts) in enumerate(chunks):
+            for k, chunk in enumerate(chunks):
                 if pending[k] is not None:
                     pending[k].result()
                 del pending[k]
                 buffer = self.buffers[k % self.slots]
                 if destinations is not None:
-                    for index, at, offset, nbytes in parts:
+                    for index, at, offset, nbytes in chunk.parts:
                         destinations[index][offset:offset + nbytes].copy_(
                             buffer[at:at + nbytes], non_blocking=True)
                     self._fences[k % self.slots] = self._record()
@@ -2934,37 +3253,52 @@ class CheckpointLoader:
             for future in pending.values():  # after an error: let the readers finish first
                 if future is not None:
                     future.exception()
-            if fd is not None:
-                os.close(fd)
-        return sum(length for _, length, _ in chunks)
+            for fd in fds:
+                if fd is not None:
+                    os.close(fd)
+        return sum(chunk.length for chunk in chunks)
 
-    def read(self, path: str | os.PathLike, alongside: Callable[[], object] | None = None) -> int:
+    def _layout(self, source) -> CheckpointLayout:
+        # copying from the mapping needs the storages mapped; pread needs offsets alone
+        return checkpoint_layout(source, mapped=self.read_mode == "mmap")
+
+    def read(self, source, alongside: Callable[[], object] | None = None) -> int:
         """Read the checkpoint's data through the buffers, copying nothing to the device: the
-        host's side of a load. Returns the bytes read.
+        host's side of a load, index included. Returns the bytes read.
 
         ``alongside`` is called once the index is read, before the data is: it can queue work
         that runs beside the read and competes with it (copies over the link, which read the
         host's memory too), to time both trips together.
         """
-        _, stored = checkpoint_index(path)
+        layout = self._layout(source)
         if alongside is not None:
             alongside()
-        return self._stream(path, stored, None)
+        return self._stream(layout.files, layout.stored, None)
 
-    def load(self, path: str | os.PathLike):
-        loaded, stored = checkpoint_index(path)
+    def read_file(self, source) -> int:
+        """Read every byte of the checkpoint's file(s), whole, through the buffers, the way
+        this loader reads (with its threads), with no index and no copies to the device: the
+        host's side of the ceiling measured apart from the loader's own index (notebook 12
+        takes the fastest of several thread counts). Returns the bytes read."""
+        files = checkpoint_files(source)
+        mapped = self.read_mode == "mmap"
+        whole = [_Stored(0, os.path.getsize(path), _map_file(path) if mapped else None, number)
+                 for number, path in enumerate(files)]
+        return self._stream(files, whole, None)
+
+    def load(self, source):
+        """The checkpoint on ``device``: what ``torch.load`` returns for a torch file, a
+        {name: tensor} dict for safetensors (a sharded one's tensors all in one dict)."""
+        layout = self._layout(source)
         destinations = [torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
-                        for s in stored]
-        self._stream(path, stored, destinations)
-        where = {s.mapped.data_ptr(): d.untyped_storage()
-                 for s, d in zip(stored, destinations, strict=True)}
+                        for s in layout.stored]
+        self._stream(layout.files, layout.stored, destinations)
 
-        def place(tensor):
-            storage = where[tensor.untyped_storage().data_ptr()]
-            return torch.empty(0, dtype=tensor.dtype, device=self.device).set_(
-                storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+        def place(p: _Placed) -> torch.Tensor:
+            return torch.empty(0, dtype=p.dtype, device=self.device).set_(
+                destinations[p.stored].untyped_storage(), p.storage_offset, p.shape, p.stride)
 
-        return map_tensors(place, loaded)
+        return _map_placed(place, layout.structure)
 
     def close(self) -> None:
         """Stop the reading threads (the buffers go when the loader does)."""

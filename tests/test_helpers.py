@@ -2082,8 +2082,8 @@ def test_checkpoint_loader_reads_the_data_once_in_pieces(tmp_path):
     span = max(s.offset + s.nbytes for s in present) - present[0].offset
     loader = helpers.CheckpointLoader("cpu", chunk_bytes=512, threads=2)
     chunks = loader._pieces(stored)
-    assert all(length <= 512 for _, length, _ in chunks)
-    assert sum(n for _, _, parts in chunks for *_, n in parts) == sum(s.nbytes for s in present)
+    assert all(chunk.length <= 512 for chunk in chunks)
+    assert sum(n for chunk in chunks for *_, n in chunk.parts) == sum(s.nbytes for s in present)
     assert loader.read(path) == span < os.path.getsize(path)
     loader.close()
 
@@ -2102,15 +2102,17 @@ def test_checkpoint_loader_reads_with_one_thread_per_cpu_up_to_its_cap(monkeypat
     assert (one.threads, one.slots) == (1, 2)
 
 
+@pytest.mark.parametrize("read", helpers.CheckpointLoader.READS)
 def test_checkpoint_loader_read_calls_alongside_after_the_index_before_the_data(tmp_path,
-                                                                               monkeypatch):
+                                                                               monkeypatch,
+                                                                               read):
     path = tmp_path / "c.pt"
     _checkpoint(path)
-    loader = helpers.CheckpointLoader("cpu", read="mmap")
+    loader = helpers.CheckpointLoader("cpu", read=read, threads=2)
     order = []
-    index = helpers.checkpoint_index
-    monkeypatch.setattr(helpers, "checkpoint_index",
-                        lambda p: order.append("index") or index(p))
+    index = helpers.checkpoint_layout
+    monkeypatch.setattr(helpers, "checkpoint_layout",
+                        lambda p, **options: order.append("index") or index(p, **options))
     stream = loader._stream
     monkeypatch.setattr(loader, "_stream", lambda *a: order.append("data") or stream(*a))
     loader.read(path, alongside=lambda: order.append("alongside"))
@@ -2152,7 +2154,7 @@ def test_checkpoint_loader_refills_a_buffer_only_after_its_copies(tmp_path, monk
             assert _same(loader.load(path), reference)
     finally:
         loader.close()
-    chunks = [begin for begin, _, _ in loader._pieces(helpers.checkpoint_index(path)[1])]
+    chunks = [chunk.begin for chunk in loader._pieces(helpers.checkpoint_index(path)[1])]
     assert len(chunks) > 2 * loader.slots
     fills = [entry for entry in log if entry[0] == "filled"]
     assert [begin for _, begin, _, _ in fills] == chunks * 2
@@ -2187,6 +2189,247 @@ def test_checkpoint_loader_on_the_gpu_matches_and_reuses_pinned_buffers(tmp_path
     for loaded in (first, second):
         assert all(loaded[k].is_cuda and torch.equal(loaded[k].cpu(), saved[k]) for k in saved)
     assert [b.data_ptr() for b in loader.buffers] == pointers
+
+
+CHUNK = 64 * 2**10  # small chunks: several per file, several tensors' parts in one
+
+
+def _tensors(seed=0, scale=1):
+    """Tensors of a safetensors file: one spanning several 64 KiB chunks, an empty one, a
+    scalar, several dtypes (bfloat16 and int64 among them)."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"big{seed}": torch.randn(scale * 70_000, generator=g),  # 280 KiB: 5 chunks
+            f"half{seed}": torch.randn(33, 17, generator=g).half(),
+            f"bf16_{seed}": torch.randn(1000, generator=g).bfloat16(),
+            f"ids{seed}": torch.randint(-2**40, 2**40, (5, 300), generator=g),
+            f"mask{seed}": torch.rand(77, generator=g) > 0.5,
+            f"empty{seed}": torch.empty(0, 4), f"scalar{seed}": torch.tensor(2.5)}
+
+
+def _save_safetensors(path, tensors, metadata=None):
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    return tensors
+
+
+def _placed_view(layout, placed):
+    """A layout's tensor, with its storage named by where its bytes lie, not by its number."""
+    s = layout.stored[placed.stored]
+    return ((s.offset, s.nbytes) if s.nbytes else None, placed.dtype, placed.shape,
+            placed.stride, placed.storage_offset)
+
+
+def test_safetensors_layout_matches_what_safetensors_reads(tmp_path):
+    from safetensors import safe_open
+
+    path = tmp_path / "m.safetensors"
+    _save_safetensors(path, _tensors(), metadata={"format": "pt", "step": "12"})
+    data = path.read_bytes()
+    start, header = helpers.safetensors_header(path)
+    assert start == 8 + int.from_bytes(data[:8], "little")
+    layout = helpers.safetensors_layout(path)
+    assert [s.offset for s in layout.stored] == sorted(s.offset for s in layout.stored)
+    assert all(s.mapped is None for s in layout.stored)  # nothing mapped, nothing read
+    with safe_open(str(path), "pt") as f:
+        assert header["__metadata__"] == f.metadata()
+        assert sorted(layout.structure) == sorted(f.keys())
+        for name, placed in layout.structure.items():
+            expected = f.get_tensor(name)
+            assert helpers.SAFETENSORS_DTYPES[f.get_slice(name).get_dtype()] == placed.dtype
+            assert list(placed.shape) == f.get_slice(name).get_shape()
+            assert placed.stride == expected.stride()
+            s = layout.stored[placed.stored]
+            raw = expected.reshape(-1).view(torch.uint8).numpy().tobytes()
+            assert data[s.offset:s.offset + s.nbytes] == raw
+
+
+@pytest.mark.parametrize("read", helpers.CheckpointLoader.READS)
+def test_checkpoint_loader_loads_safetensors_as_load_file_does(tmp_path, read):
+    from safetensors.torch import load_file
+
+    path = tmp_path / "m.safetensors"
+    _save_safetensors(path, _tensors())
+    reference = load_file(str(path))
+    loader = helpers.CheckpointLoader("cpu", read=read, chunk_bytes=CHUNK, threads=2)
+    try:
+        assert _same(loader.load(path), reference)
+        assert _same(loader.load(str(path)), reference)  # the buffers again
+        assert loader.read(path) == helpers.checkpoint_layout(path).nbytes  # packed: no gaps
+    finally:
+        loader.close()
+
+
+def _sharded(directory):
+    """Three safetensors shards of unequal sizes, and the index.json that names them."""
+    import json
+
+    shards = {f"model-0000{k}-of-00003.safetensors": _tensors(seed=k, scale=k)
+              for k in (1, 2, 3)}
+    weight_map = {}
+    for name, tensors in shards.items():
+        _save_safetensors(directory / name, tensors)
+        weight_map.update(dict.fromkeys(tensors, name))
+    index = directory / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return index, [directory / name for name in shards], {
+        name: t for tensors in shards.values() for name, t in tensors.items()}
+
+
+@pytest.mark.parametrize("read", helpers.CheckpointLoader.READS)
+def test_checkpoint_loader_loads_a_sharded_checkpoint_into_one_dict(tmp_path, read):
+    index, shards, union = _sharded(tmp_path)
+    loader = helpers.CheckpointLoader("cpu", read=read, chunk_bytes=CHUNK, threads=3)
+    try:
+        assert _same(loader.load(index), union)
+        assert _same(loader.load(shards), union)  # a list of the shards' paths
+        layout = helpers.checkpoint_layout(index)
+        assert layout.files == tuple(map(str, shards)) and loader.read(index) == layout.nbytes
+    finally:
+        loader.close()
+
+
+@needs_cuda
+def test_checkpoint_loader_on_the_gpu_loads_a_sharded_safetensors_checkpoint(tmp_path):
+    index, _, union = _sharded(tmp_path)
+    loader = helpers.CheckpointLoader("cuda", chunk_bytes=CHUNK, threads=3)
+    try:
+        first = loader.load(index)
+        second = loader.load(index)  # no sync between: its reads wait for the first's copies
+        torch.cuda.synchronize()
+    finally:
+        loader.close()
+    for loaded in (first, second):
+        assert all(t.is_cuda for t in loaded.values()) and _same(loaded, union)
+
+
+def test_checkpoint_loader_reads_the_shards_at_once(tmp_path, monkeypatch):
+    index, shards, union = _sharded(tmp_path)
+    # one reading thread: the chunks are read in the order of the list
+    loader = helpers.CheckpointLoader("cpu", chunk_bytes=CHUNK, threads=1, slots=4)
+    chunks = loader._pieces(helpers.checkpoint_layout(index).stored)
+    files = [chunk.file for chunk in chunks]
+    assert sorted(set(files[:3])) == [0, 1, 2]  # the first three chunks: one from each shard
+    for k in range(3):  # each shard read in order, its chunks spread over the whole read
+        mine = [n for n, file in enumerate(files) if file == k]
+        assert [chunks[n].begin for n in mine] == sorted(chunks[n].begin for n in mine)
+        assert mine[0] < len(chunks) / 4 and mine[-1] >= 3 * len(chunks) / 4
+    read_from, fill = [], loader._fill
+
+    def filling(slot, fence, fd, chunk, stored):
+        read_from.append((os.readlink(f"/proc/self/fd/{fd}"), chunk.file))
+        fill(slot, fence, fd, chunk, stored)
+
+    monkeypatch.setattr(loader, "_fill", filling)
+    try:
+        assert _same(loader.load(index), union)
+    finally:
+        loader.close()
+    assert [file for _, file in read_from] == files  # each chunk from its own shard's file
+    assert all(os.path.samefile(link, shards[file]) for link, file in read_from)
+
+
+def test_checkpoint_meta_layout_of_a_torch_file_finds_what_the_mapping_finds(tmp_path, monkeypatch):
+    path = tmp_path / "c.pt"
+    _checkpoint(path)
+    meta = helpers.torch_file_layout(path)
+    mapped = helpers.torch_file_layout(path, mapped=True)
+    assert all(s.mapped is None for s in meta.stored)  # no mapping: nothing to fault in
+    assert all(s.mapped is not None for s in mapped.stored)
+
+    def present(layout):
+        return [(s.offset, s.nbytes) for s in layout.stored if s.nbytes]
+
+    assert len(present(meta)) == 5 and present(meta) == present(mapped)
+    placed = [helpers._map_placed(lambda p, layout=layout: _placed_view(layout, p),
+                                  layout.structure) for layout in (meta, mapped)]
+    assert placed[0] == placed[1]
+    model = meta.structure["model"]
+    assert model["tied"].stored == model["view"].stored  # one storage, counted once
+    assert meta.structure["step"] == 12
+    # a torch that notes no offsets on meta storages: the mapping gives them
+    monkeypatch.setattr(helpers, "_checkpoint_offset", lambda tensor: None)
+    fallback = helpers.torch_file_layout(path)
+    assert present(fallback) == present(meta)
+    assert all(s.mapped is not None for s in fallback.stored)
+
+
+@pytest.mark.parametrize("read", helpers.CheckpointLoader.READS)
+def test_checkpoint_loader_read_file_reads_every_byte_of_the_files_and_no_index(tmp_path,
+                                                                               monkeypatch,
+                                                                               read):
+    index, shards, _ = _sharded(tmp_path)
+    torch_file = tmp_path / "c.pt"
+    _checkpoint(torch_file)
+    loader = helpers.CheckpointLoader("cpu", read=read, chunk_bytes=CHUNK, threads=2, slots=4)
+    seen, fill = [], loader._fill
+
+    def filling(slot, fence, fd, chunk, stored):
+        fill(slot, fence, fd, chunk, stored)
+        got = loader.buffers[slot][:chunk.length].numpy().tobytes()
+        seen.append((chunk.file, chunk.begin, got))
+
+    monkeypatch.setattr(loader, "_fill", filling)
+    monkeypatch.setattr(helpers, "checkpoint_layout", None)  # no index is made
+    try:
+        for source, files in ((torch_file, [torch_file]), (index, shards)):
+            seen.clear()
+            assert loader.read_file(source) == sum(os.path.getsize(f) for f in files)
+            for number, path in enumerate(files):
+                pieces = sorted((begin, got) for file, begin, got in seen if file == number)
+                assert b"".join(got for _, got in pieces) == path.read_bytes()
+    finally:
+        loader.close()
+
+
+def test_a_truncated_checkpoint_raises_a_clear_error(tmp_path):
+    path = tmp_path / "m.safetensors"
+    _save_safetensors(path, _tensors())
+    data = path.read_bytes()
+    loader = helpers.CheckpointLoader("cpu", chunk_bytes=CHUNK, threads=2)
+    try:
+        path.write_bytes(data[:-100])  # the last tensor's end is gone
+        with pytest.raises(ValueError, match="is truncated: tensor .* ends at byte"):
+            loader.load(path)
+        path.write_bytes(data[:20])  # the header is cut
+        with pytest.raises(ValueError, match="is truncated: 20 bytes"):
+            loader.read(path)
+        torch_file = tmp_path / "c.pt"
+        _checkpoint(torch_file)
+        torch_file.write_bytes(torch_file.read_bytes()[:3000])
+        with pytest.raises(ValueError, match="cannot index .*c.pt as a torch.save file"):
+            loader.load(torch_file)
+    finally:
+        loader.close()
+
+
+def test_checkpoint_loader_names_the_missing_shard_of_a_sharded_index(tmp_path):
+    index, shards, _ = _sharded(tmp_path)
+    shards[1].unlink()
+    loader = helpers.CheckpointLoader("cpu", chunk_bytes=CHUNK, threads=2)
+    try:
+        for call in (loader.load, loader.read, loader.read_file):
+            with pytest.raises(FileNotFoundError, match=r"index.json names files that are not "
+                               r"there: \[.*model-00002-of-00003.safetensors"):
+                call(index)
+        (tmp_path / "no-map.index.json").write_text("{}")
+        with pytest.raises(ValueError, match="has no weight_map"):
+            loader.load(tmp_path / "no-map.index.json")
+    finally:
+        loader.close()
+
+
+def test_checkpoint_loader_takes_torch_shards_and_tells_safetensors_by_its_start(tmp_path):
+    torch.manual_seed(0)
+    first, second = {"a": torch.randn(300, 70)}, {"b": torch.arange(9000)}
+    torch.save(first, tmp_path / "one.bin")
+    _save_safetensors(tmp_path / "two.bin", second)  # a safetensors file under another name
+    loader = helpers.CheckpointLoader("cpu", chunk_bytes=CHUNK, threads=2)
+    try:
+        assert _same(loader.load([tmp_path / "one.bin", tmp_path / "two.bin"]),
+                     {**first, **second})
+    finally:
+        loader.close()
 
 
 def test_evictable_directory_skips_a_directory_that_keeps_its_pages(tmp_path):
