@@ -2827,20 +2827,89 @@ def checkup_batches(workers: int = 0, prefetch_factor: int = 2, *, steps: int = 
     return (warmup + workers * prefetch_factor + loader_batches + timed_steps + 1 + steps)
 
 
+def _host_allocs() -> float:
+    """Pinned blocks the caching host allocator has made so far (nan where it cannot say)."""
+    try:
+        return float(torch.cuda.host_memory_stats().get("num_host_alloc", float("nan")))
+    except (AttributeError, RuntimeError):
+        return float("nan")
+
+
+def _warm_up(one_step: Callable[[], None], steps: int, more: int) -> None:
+    """``steps`` steps, then up to ``more`` while the caching host allocator still pins new
+    blocks (a host running ahead of the GPU needs more pinned buffers in flight)."""
+    for _ in range(steps):
+        one_step()
+    for _ in range(more):
+        before = _host_allocs()
+        one_step()
+        if not _host_allocs() > before:
+            break
+
+
+def _loader_ms(take: Callable[[], object], ready: int, batches: int) -> float:
+    """The batch source's own pace, per batch. Its workers filled their queue (``ready``
+    batches) while the first steps were slow (start-up, autotuning): those are taken first, so
+    that the timed steps start with an empty queue, as in the rest of an epoch."""
+    for _ in range(ready):
+        take()
+    began = time.perf_counter()
+    for _ in range(batches):
+        take()
+    return (time.perf_counter() - began) * 1e3 / max(batches, 1)
+
+
+def _timed_ms(one_step: Callable[[], None], timed_steps: int) -> tuple[float, float]:
+    """The unprofiled step time, and the pinned blocks the host allocator made meanwhile (a
+    host that runs ahead may have new buffers pinned in the timed steps: not yet steady)."""
+    torch.cuda.synchronize()
+    allocs = _host_allocs()
+    began = time.perf_counter()
+    for _ in range(timed_steps):
+        one_step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - began) * 1e3 / max(timed_steps, 1), _host_allocs() - allocs
+
+
+def _profiled_trace(one_step: Callable[[], None], steps: int) -> dict:
+    """The Chrome trace of ``steps`` steps (CPU and CUDA activity, Python stacks), after one
+    more under the profiler that absorbs its set-up cost."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    traces = []
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+        path = Path(tmp) / "trace.json"
+
+        def keep(prof):
+            prof.export_chrome_trace(str(path))
+            traces.append(json.loads(path.read_text()))
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                     with_stack=True, schedule=schedule(wait=0, warmup=1, active=steps),
+                     on_trace_ready=keep) as prof:
+            for _ in range(1 + steps):
+                one_step()
+                prof.step()
+    torch.cuda.synchronize()
+    return traces[0]
+
+
 def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
             timed_steps: int = 20, warmup: int = 5, loader_batches: int = 10) -> CheckupReport:
     """Time and profile a training step, and say what it spends on moving data.
 
     ``step(batch)`` is called with batches from ``batches`` (``step()`` if there are none):
-    ``warmup`` steps; then, from a DataLoader, the batches its workers may hold ready are taken
-    and dropped, and ``loader_batches`` are taken alone to time the source by itself; then
+    ``warmup`` steps (without batches, up to ``warmup`` more while the caching host allocator
+    still pins new blocks); then, from a DataLoader, the batches its workers may hold ready are
+    taken and dropped, and ``loader_batches`` are taken alone to time the source by itself; then
     ``timed_steps`` are timed on the host clock, and one more and ``steps`` run under the
     profiler (with Python stacks). ``checkup_batches`` says how many batches that is. The wait
     for each batch counts as part of its step. Returns a ``CheckupReport``: print it for a
-    table and the findings, costliest first, each with what to change and the notebook that
-    measures why.
+    table, the findings (costliest first, each with what to change, the step time predicted
+    without it and the notebook that measures why) and the latent ones.
     """
-    from torch.profiler import ProfilerActivity, profile, record_function, schedule
+    from torch.profiler import record_function
 
     require_cuda()
     source = iter(batches) if batches is not None else None
@@ -2866,49 +2935,21 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
                 batch = take()
             step(batch)
 
-    traces = []
     loader_ms = float("nan")
     try:
-        for _ in range(warmup):
-            one_step()
+        _warm_up(one_step, warmup, warmup if batches is None else 0)
         if batches is not None:
-            # The workers filled their queue while the first steps were slow (start-up,
-            # autotuning): take those batches, then time the source alone. The timed steps
-            # then start with an empty queue, as in the rest of an epoch.
-            for _ in range(_buffered_batches(batches)):
-                take()
-            began = time.perf_counter()
-            for _ in range(loader_batches):
-                take()
-            loader_ms = (time.perf_counter() - began) * 1e3 / max(loader_batches, 1)
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        for _ in range(timed_steps):
-            one_step()
-        torch.cuda.synchronize()
-        step_ms = (time.perf_counter() - began) * 1e3 / max(timed_steps, 1)
-        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
-            path = Path(tmp) / "trace.json"
-
-            def keep(prof):
-                prof.export_chrome_trace(str(path))
-                traces.append(json.loads(path.read_text()))
-
-            # one step under the profiler before the recorded ones absorbs its set-up cost
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                         with_stack=True, schedule=schedule(wait=0, warmup=1, active=steps),
-                         on_trace_ready=keep) as prof:
-                for _ in range(1 + steps):
-                    one_step()
-                    prof.step()
-        torch.cuda.synchronize()
+            loader_ms = _loader_ms(take, _buffered_batches(batches), loader_batches)
+        step_ms, allocs = _timed_ms(one_step, timed_steps)
+        trace = _profiled_trace(one_step, steps)
     finally:
         close = getattr(source, "close", None)  # a generator: let its loader shut down now
         if close is not None:
             close()
         source = None  # a DataLoader iterator shuts its workers down when it is dropped
-    return analyze_checkup_trace(traces[0], steps, step_ms, loader_ms)
+    report = analyze_checkup_trace(trace, steps, step_ms, loader_ms)
+    report.host_allocs_timed = allocs
+    return report
 
 
 # --------------------------------------------------------------------------------------------
