@@ -1239,6 +1239,309 @@ def test_checkup_trace_sees_a_sync_on_autograds_thread_and_a_host_bound_step():
     assert report.steady and report.replay_step_ms == pytest.approx(0.5, rel=1e-3)
 
 
+# The replay (issue 35): hand-made traces with their launches, each cost the step time saved
+
+def _kernel(launch_ts, launch_dur, start, dur, correlation, stream=7, name="k"):
+    """A launch call and the kernel it launched."""
+    return [_host("cuda_runtime", "cudaLaunchKernel", launch_ts, launch_dur, correlation),
+            _device("kernel", name, start, dur, stream, correlation=correlation)]
+
+
+def _python(t0, dur, frame="train.py(20): train"):
+    return _host("python_function", frame, t0, dur)
+
+
+def _tiny_kernels(t0, k, first, count, every, launch_us, kernel_us):
+    """``count`` kernels of ``kernel_us``, one launched every ``every`` us from ``first``; each
+    starts 5 us after its launch returns."""
+    events = []
+    for i in range(count):
+        at = t0 + first + every * i
+        events += _kernel(at, launch_us, at + launch_us + 5, kernel_us, 1000 * (k + 1) + i)
+    return events
+
+
+def _item(t0, at, copy_start, correlation, wait_us=40):
+    """``.item()`` at ``at``: a copy to pageable memory that blocks until its 2 us copy, which
+    starts at ``copy_start``, is done (``wait_us`` in all, from ``at + 5``)."""
+    frames = ["train.py(20): train", "<built-in method item of Tensor object at 0x1>"]
+    return [_host("python_function", frames[1], t0 + at, wait_us + 10),
+            _host("cpu_op", "aten::item", t0 + at + 1, wait_us + 8),
+            _host("cpu_op", "aten::_local_scalar_dense", t0 + at + 2, wait_us + 6),
+            _host("cuda_runtime", "cudaMemcpyAsync", t0 + at + 5, wait_us, correlation),
+            _device("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", t0 + copy_start, 2, 7,
+                    correlation=correlation, nbytes=4)]
+
+
+def _cifar_step(t0, k):
+    """The CIFAR-10 tutorial's shape: a small batch copied from pageable memory, 30 kernels of
+    5 us each launched every 50 us (the host is the bottleneck), and .item() at the end."""
+    frames = ["train.py(20): train", "<built-in method to of Tensor object at 0x1>"]
+    return ([_python(t0, 1999), _host("python_function", frames[1], t0 + 10, 50),
+             _host("cpu_op", "aten::to", t0 + 11, 48), _host("cpu_op", "aten::copy_", t0 + 12, 46),
+             _host("cuda_runtime", "cudaMemcpyAsync", t0 + 15, 40, 100 + k),
+             _device("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", t0 + 25, 20, 7,
+                     correlation=100 + k, nbytes=48 << 10)]
+            + _tiny_kernels(t0, k, 100, 30, 50, 20, 5)
+            + _item(t0, 1700, 1710, 5000 + k, wait_us=40))
+
+
+def test_checkup_replay_names_a_launch_bound_step_first_and_prices_its_copy_small():
+    report = helpers.analyze_checkup_trace(_step_trace(2000, _cifar_step, steps=4), steps=4)
+    assert report.replay_fidelity == pytest.approx(1)
+    first = report.findings[0]
+    assert first.kind == "host_bound" and "13" in first.notebooks, str(report)
+    # with no host time the step is the GPU's: 172 us of work and the gaps the launches leave
+    assert report.gpu_work_ms < first.predicted_step_ms < 0.25
+    assert first.cost_ms == pytest.approx(2.0 - first.predicted_step_ms)
+    # HTA's evidence: every kernel shorter than its launch, almost none queued
+    assert report.short_kernels == 1 and report.launch_queue < 0.1
+    assert report.host_busy_ms > 10 * report.gpu_work_ms
+    # made pinned, the copy saves the host 40 - 20 us (its call, less a launch): no more than
+    # its own 20 us on the device, and too little to be a finding
+    assert 0 < report.idle_ms["pageable_h2d"] <= 0.02
+    assert "pageable_h2d" not in report.kinds and "scalar_read" not in report.kinds
+    # the read costs nothing while the host is the bottleneck, and would once it is not
+    assert [f.kind for f in report.latent] == ["scalar_read"]
+    assert report.latent[0].later_ms >= helpers.MIN_SAVING_MS
+    assert "free while the host is the bottleneck" in str(report)
+
+
+def _gpu_bound_item_step(t0, k):
+    """Three kernels of 300 us launched at the step's start, then .item(), which waits for
+    them; the host then works 105 us before the next step."""
+    events = [_python(t0, 1019)]
+    for i in range(3):
+        events += _kernel(t0 + 5 * i, 5, t0 + 10 + 300 * i, 300, 10 * (k + 1) + i)
+    return events + _item(t0, 20, 910, 500 + k, wait_us=890)
+
+
+def test_checkup_replay_prices_a_read_that_stalls_a_gpu_bound_step():
+    report = helpers.analyze_checkup_trace(_step_trace(1020, _gpu_bound_item_step, steps=3),
+                                           steps=3)
+    assert report.kinds == {"scalar_read"}, str(report)
+    # without the wait the host keeps ahead: the step is its kernels and the read's copy
+    finding = report.findings[0]
+    assert finding.predicted_step_ms == pytest.approx(0.902)
+    assert finding.cost_ms == pytest.approx(1.02 - 0.902)
+    assert report.replay_fidelity == pytest.approx(1) and report.latent == []
+
+
+def _exposed_copy_step(t0, k):
+    """The host runs ahead (a step every 300 us); on the GPU each step is a 200 us pinned copy
+    and, behind it on the same stream, a 700 us kernel: 900 us a step."""
+    g0 = 1000 + 900 * k + 10
+    return [_python(t0, 299), _host("cuda_runtime", "cudaMemcpyAsync", t0, 5, 300 + k),
+            _device("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", g0, 200, 7,
+                    correlation=300 + k, nbytes=8 << 20)] + _kernel(t0 + 10, 5, g0 + 200, 700,
+                                                                   400 + k)
+
+
+def test_checkup_replay_sees_that_a_prefetch_would_hide_an_exposed_copy():
+    report = helpers.analyze_checkup_trace(_step_trace(300, _exposed_copy_step, steps=4),
+                                           steps=4)
+    assert report.kinds == {"copy_exposed"}, str(report)
+    assert report.copy_exposed_ms == pytest.approx(0.2)
+    assert report.findings[0].predicted_step_ms == pytest.approx(0.7)
+    assert report.replay_fidelity == pytest.approx(1)
+
+
+def _synchronized_step(t0, k):
+    """A host-bound step (300 us of Python, then 20 kernels of 30 us launched every 40 us) that
+    ends with torch.cuda.synchronize(): the GPU is done 3 us into it."""
+    frames = ["train.py(20): train", "torch/cuda/__init__.py(1152): synchronize",
+              "<built-in function _cuda_synchronize>"]
+    return ([_python(t0, 1999)] + _tiny_kernels(t0, k, 1000, 20, 40, 10, 30)
+            + [_host("python_function", frames[1], t0 + 1800, 10),
+               _host("python_function", frames[2], t0 + 1801, 8),
+               _host("cuda_runtime", "cudaDeviceSynchronize", t0 + 1802, 6)])
+
+
+def test_checkup_replay_lists_a_sync_that_is_free_now_as_latent():
+    report = helpers.analyze_checkup_trace(_step_trace(2000, _synchronized_step, steps=4),
+                                           steps=4)
+    assert report.kinds == {"host_bound"}, str(report)
+    assert report.syncs == {"explicit_sync": 1}
+    latent = report.latent[0]
+    assert latent.kind == "explicit_sync" and latent.cost_ms < 0.01
+    # with the host's time down to half the GPU's, the GPU waits after each sync for the
+    # host's Python before its first launch
+    assert latent.later_ms > helpers.MIN_SAVING_MS
+    assert "explicit_sync: __init__.synchronize() in train" in str(report)
+
+
+@pytest.mark.parametrize("body, step_us", [(_gpu_bound_item_step, 1020),
+                                           (_cifar_step, 2000), (_synchronized_step, 2000),
+                                           (_exposed_copy_step, 300)])
+def test_checkup_replay_of_the_graph_as_it_is_reproduces_the_profiled_steps(body, step_us):
+    profile = helpers._read_profile(_step_trace(step_us, body, steps=3), 3)
+    graph = helpers._step_graph(profile, *helpers._blocking_causes(profile))
+    host_start, dev_start, dev_end = helpers._replay(graph)
+    assert dev_start == pytest.approx([op.start_us for op in graph.device])
+    assert host_start == pytest.approx([op.start_us for op in graph.host])
+    assert helpers._replay_period(graph) == pytest.approx(helpers._profiled_period(graph))
+
+
+# Each stage of the check-up on its own
+
+def _graph_of(body, step_us=1000, steps=1):
+    profile = helpers._read_profile(_step_trace(step_us, body, steps=steps), steps)
+    return helpers._step_graph(profile, *helpers._blocking_causes(profile))
+
+
+def test_checkup_read_profile_keeps_the_step_threads_and_each_copys_direction():
+    def body(t0, k):
+        return ([_host("user_annotation", helpers.NEXT_MARK, t0, 100),
+                 _host("cuda_runtime", "cudaStreamSynchronize", t0 + 10, 5, tid=2),  # pin thread
+                 _host("cuda_runtime", "cudaMemcpyAsync", t0 + 120, 5, 1),
+                 _device("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", t0 + 130, 50, 7,
+                         correlation=1, nbytes=8)] + _kernel(t0 + 130, 5, t0 + 180, 100, 2))
+
+    profile = helpers._read_profile(_step_trace(1000, body, steps=1), 1)
+    assert [c["name"] for c in profile.calls] == ["cudaMemcpyAsync", "cudaLaunchKernel"]
+    assert profile.direction == {1: ("h2d_pinned", False)}
+    assert profile.data_waits == [(1000, 1100)] and profile.host_range == (1000, 1999)
+    assert len(profile.gpu_steps) == 1 and set(profile.launch_of) == {1, 2}
+
+
+def test_checkup_host_lane_tells_data_work_idle_and_calls_apart():
+    def body(t0, k):  # next() 100 us, Python 200 us, nothing seen 100 us, a launch
+        return ([_host("user_annotation", helpers.NEXT_MARK, t0, 100), _python(t0 + 100, 200)]
+                + _kernel(t0 + 400, 10, t0 + 415, 50, 1))
+
+    graph = _graph_of(body)
+    assert [(op.kind, op.own_us) for op in graph.host] == [
+        ("mark", 0), ("data", 100), ("work", 200), ("idle", 100), ("call", 10), ("idle", 589)]
+    kernel = graph.device[0]
+    assert (kernel.launch, kernel.launch_gap_us, kernel.follows) == (4, 5, [])
+
+
+def test_checkup_device_work_queues_an_unlaunched_op_right_behind_another():
+    def body(t0, k):  # no launches: the second kernel starts as the first ends, the third later
+        return [_device("kernel", "a", t0, 100, 7), _device("kernel", "b", t0 + 100, 100, 7),
+                _device("kernel", "c", t0 + 300, 100, 7)]
+
+    profile = helpers._read_profile(_step_trace(1000, body, steps=1), 1)
+    ops, before = helpers._device_work(profile)
+    assert before == [-1, 0, 1]
+    assert helpers._unlaunched(profile, ops, before) == {0: 1000, 2: 1300}
+    graph = _graph_of(body)
+    assert graph.device[1].launch == -1 and graph.device[1].follows == [(0, 0.0)]
+
+
+def test_checkup_links_an_op_to_what_held_it_back_with_the_gap_seen():
+    def body(t0, k):  # kernel b waits for a copy on stream 9 (an event), 2 us after it ends
+        return (_kernel(t0, 5, t0 + 10, 90, 1, name="a")
+                + [_host("cuda_runtime", "cudaMemcpyAsync", t0 + 10, 5, 2),
+                   _device("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", t0 + 20, 280, 9,
+                           correlation=2, nbytes=8),
+                   _host("cuda_runtime", "cudaStreamWaitEvent", t0 + 20, 3)]
+                + _kernel(t0 + 30, 5, t0 + 302, 100, 3, name="b"))
+
+    a, copy, b = _graph_of(body).device
+    assert (a.launch_gap_us, a.follows) == (5, [])
+    # held back longest by the copy: it keeps the gap; its launch and stream keep none
+    assert b.launch_gap_us == 0 and sorted(b.follows) == [(0, 0.0), (1, 2.0)]
+
+
+def test_checkup_ties_a_sync_to_the_work_it_waited_for():
+    def body(t0, k):
+        return (_kernel(t0, 5, t0 + 10, 290, 1)
+                + [_host("cuda_runtime", "cudaStreamSynchronize", t0 + 50, 260),  # until 310
+                   _host("cuda_runtime", "cudaEventSynchronize", t0 + 400, 3)])  # done already
+
+    graph = _graph_of(body)
+    waiting, done = [op for op in graph.host if op.blocks]
+    assert (waiting.waits_for, waiting.after_us, waiting.own_us) == (0, 10, 10)
+    assert (done.waits_for, done.own_us) == (-1, 3)
+
+
+def test_checkup_replay_runs_the_graph_and_a_fix_of_it():
+    Host, Device = helpers._HostOp, helpers._DeviceOp
+    host = [Host(0, 0, "mark"), Host(0, 100, "work"), Host(100, 10, "call", "cudaLaunchKernel"),
+            Host(110, 5, "call", "cudaStreamSynchronize", True, waits_for=0, after_us=5),
+            Host(0, 50, "work"), Host(0, 10, "call", "cudaLaunchKernel")]
+    device = [Device(115, 500, 7, "kernel", step=0, launch=2, launch_gap_us=5, position=2),
+              Device(0, 100, 7, "kernel", step=0, launch=5, follows=[(0, 0.0)], position=5)]
+    graph = helpers._StepGraph(host, device, 0.0, 1, [0], [0, 1])
+    host_start, dev_start, dev_end = helpers._replay(graph)
+    # the kernel runs 115..615, the sync returns 5 us later, the host launches 50 us after
+    assert host_start == [0, 0, 100, 110, 620, 670] and dev_start == [115, 680]
+    assert helpers._replay_period(graph) == 680 + 100 - 115
+    _, dev_start, _ = helpers._replay(graph, helpers._Change(no_wait={3}, host_us={3: 0.0}))
+    assert dev_start == [115, 615]  # the host is ahead: the second kernel queues behind
+    # half the host's time: launched at 55, the kernel runs 60..560; the sync returns at 565
+    _, dev_start, _ = helpers._replay(graph, helpers._Change(host_scale=0.5))
+    assert dev_start == [60, 565 + 25 + 5]
+
+
+def test_checkup_calibrates_the_hosts_time_to_the_unprofiled_pace():
+    def host_bound(t0, k):  # the host launches a 20 us kernel every 100 us
+        return [_python(t0, 999)] + _tiny_kernels(t0, k, 0, 10, 100, 10, 20)
+
+    graph = _graph_of(host_bound, steps=3)
+    assert helpers._calibrate(graph, 500.0) == pytest.approx(0.5, abs=1e-3)
+    assert helpers._calibrate(graph, 2000.0) == 1.0  # slower than profiled: nothing to scale
+    assert helpers._calibrate(graph, 100.0) == 0.0  # faster than the GPU's own work
+
+
+def test_checkup_fixes_a_pageable_copy_by_pinning_it_and_dropping_its_sync():
+    def body(t0, k):
+        return [_host("cpu_op", "aten::to", t0 + 10, 400),
+                _host("cpu_op", "aten::copy_", t0 + 20, 380),
+                _host("cuda_runtime", "cudaMemcpyAsync", t0 + 30, 200, correlation=10 + k),
+                _host("cuda_runtime", "cudaStreamSynchronize", t0 + 240, 150),
+                _device("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", t0 + 40, 300, 7,
+                        correlation=10 + k, nbytes=1 << 20)]
+
+    graph = _graph_of(body)
+    fixes = helpers._fixes(graph, 7.0, 1000.0)
+    fix = fixes[("pageable_h2d", "aten::to", "in the step")]
+    copy_call, sync = [i for i, op in enumerate(graph.host) if op.blocks]
+    assert fix.no_wait == {copy_call, sync} and fix.host_us == {copy_call: 7.0, sync: 0.0}
+    assert fix.device_us == {0: (1 << 20) / 1000.0}
+    assert fixes[("host_bound", "", "")].host_scale == 0
+    assert fixes[("copy_exposed", "", "")].device_us == {}  # a pageable copy is not prefetched
+
+
+def _bare_report(**fields):
+    values = dict(steps=4, step_ms=1.0, profiled_step_ms=1.0, gpu_busy=0.9, h2d_pageable=(0, 0),
+                  h2d_pinned=(0, 0), d2h=(0, 0), syncs={}, host_wait_ms=0.0, data_wait_ms=0.0,
+                  idle_ms={})
+    return helpers.CheckupReport(**{**values, **fields})
+
+
+def test_checkup_findings_need_a_saving_worth_naming_in_every_other_step():
+    report = _bare_report(host_busy_ms=0.2, gpu_work_ms=0.9)
+    per_cause = {("scalar_read", ".item()", "in f"): (1.0, 4),
+                 ("explicit_sync", "synchronize()", "in f"): (1.0, 4),
+                 ("hidden_sync", "torch.unique()", "in f"): (0.25, 1)}
+    savings = {("scalar_read", ".item()", "in f"): 29.0,  # < 3 % of 1 ms
+               ("explicit_sync", "synchronize()", "in f"): 31.0,
+               ("hidden_sync", "torch.unique()", "in f"): 400.0,  # once in four steps
+               ("host_bound", "", ""): 500.0}  # the host is not the bottleneck
+    findings, small = helpers._findings(report, per_cause, savings, 1.0)
+    assert [(f.kind, f.cost_ms, f.predicted_step_ms) for f in findings] == [
+        ("explicit_sync", 0.031, 0.969)]
+    assert small == [("scalar_read", ".item()", "in f")]
+    report.host_busy_ms = 2.0  # now it is: named first, though another saves more
+    savings[("explicit_sync", "synchronize()", "in f")] = 600.0
+    findings, _ = helpers._findings(report, per_cause, savings, 1.0)
+    assert [f.kind for f in findings] == ["host_bound", "explicit_sync"]
+
+
+def test_checkup_report_says_when_the_steps_are_not_steady():
+    steady = _bare_report(replay_step_ms=1.1, profiled_periods_ms=[1.1, 1.0, 1.0, 1.0])
+    assert steady.steady and "!" not in str(steady)
+    # notebook 09's "+ logging without a sync": 36.1 ms timed, 18 ms profiled
+    report = _bare_report(step_ms=36.1, profiled_step_ms=18.0, replay_step_ms=18.0,
+                          profiled_periods_ms=[30.0, 18.0, 18.0, 18.0], host_allocs_timed=3)
+    notes = report.unsteady()
+    assert not report.steady and len(notes) == 3
+    assert "36.1 ms" in notes[0] and "30 ms first" in notes[1] and "3 new blocks" in notes[2]
+    assert all(f"! {note}" in str(report) for note in notes)
+
+
 @pytest.mark.parametrize("frames, ops, direction, kind, label", [
     (["train.py(10): step", "torch/amp/grad_scaler.py(375): step",
       "<built-in method item of Tensor object at 0x1>"], ["aten::item"], "d2h", "grad_scaler",
