@@ -2433,6 +2433,9 @@ def _link_waits(lane: list[_HostOp], ops: list[_DeviceOp]) -> None:
 
 
 def _step_graph(profile: _Profile, cause_of_call: dict, cause_of_copy: dict) -> _StepGraph:
+    """The steps' dependency graph: the device work, the host lane that launched it (with a
+    launch added where the trace has none), what each device op and each blocking call waits
+    for, and the cause each copy belongs to."""
     ops, before = _device_work(profile)
     graph_origin = profile.host_range[0]
     launches = _unlaunched(profile, ops, before)
@@ -2453,7 +2456,7 @@ def _step_graph(profile: _Profile, cause_of_call: dict, cause_of_copy: dict) -> 
     _link_waits(lane, ops)
     order = sorted(range(len(ops)), key=lambda d: (ops[d].position, ops[d].start_us))
     marks = [index[("mark", k)] for k in range(profile.steps)]
-    return _StepGraph(lane, ops, profile.host_range[0], profile.steps, marks, order)
+    return _StepGraph(lane, ops, graph_origin, profile.steps, marks, order)
 
 
 # The replay: a small discrete-event model of the graph
