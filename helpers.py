@@ -18,6 +18,8 @@ or on Colab downloads this one file). Sections:
 9. Check-up          time and profile a training step; name what it spends on moving data
 10. Checkpoints      the page cache (residency, eviction), page faults and disk reads of a
                      call, peak host memory, a checkpoint loader through reused pinned buffers
+11. CUDA graphs      a training step captured once and replayed, its batch copied in
+                     outside the graph or from pinned staging buffers inside it
 """
 
 from __future__ import annotations
@@ -3439,3 +3441,99 @@ class CheckpointLoader:
         """Stop the reading threads (the buffers go when the loader does)."""
         if self._pool is not None:
             self._pool.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# 11. CUDA graphs: a training step captured once, replayed for every batch
+# --------------------------------------------------------------------------------------------
+
+
+def _graph_event() -> tuple[torch.cuda.Event, bool]:
+    """An event a capture can record as a node of its graph, for the host to wait on after a
+    replay (``external=True``, torch >= 2.9), and True; on an older torch a plain event, which
+    the caller records after each replay instead, and False."""
+    try:
+        return torch.cuda.Event(external=True), True
+    except TypeError:
+        return torch.cuda.Event(), False
+
+
+def _capture(graph, stream, body: Callable[[], object]):
+    """What ``body`` queues, recorded into ``graph`` on ``stream`` (nothing runs); its result."""
+    with torch.cuda.graph(graph, stream=stream):
+        return body()
+
+
+class GraphedStep:
+    """A step captured once as a CUDA graph and replayed for every batch (notebook 13).
+
+    ``step(*inputs)`` queues a step's GPU work on device tensors (forward, backward and the
+    optimizer's step, say) and returns its output (the loss); ``example`` is a batch on the host,
+    a sequence of tensors that fixes the shapes and dtypes. A replay reads and writes the memory
+    the capture saw: the batch goes into static tensors on ``device`` (``inputs``), made once,
+    and ``output`` is overwritten by the next replay (``clone()`` it to keep it). Two ways in:
+
+    - ``staged=False``: a call copies the batch into ``inputs`` with ``copy_(non_blocking=True)``,
+      outside the graph (from pinned memory, so that the host does not wait), then replays;
+    - ``staged=True``: the copies from pinned staging buffers (``staging``) into ``inputs`` are
+      part of the graph, and so is an event right after them (``copied``). A call waits on that
+      event (the last replay's copies have read the buffers), copies the batch into the buffers
+      on the host (from pageable memory too), then replays.
+
+    Before the capture the step runs ``warmup`` times on the example batch, on a side stream, so
+    that lazy set-up (cuBLAS workspaces, the allocator's blocks) happens outside the capture;
+    those runs train like any other step. An optimizer that counts its steps on the host needs
+    ``capturable=True`` (Adam, AdamW); SGD is captured as it is.
+    """
+
+    def __init__(self, step: Callable, example: Sequence[torch.Tensor], *,
+                 staged: bool = False, warmup: int = 3, device: torch.device | str = "cuda"):
+        device = torch.device(device)
+        self.staged = staged
+        self.inputs = [t.to(device, copy=True) for t in example]  # its own, even on the CPU
+        pin = device.type == "cuda"
+        self.staging = ([torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t)
+                         for t in example] if staged else [])
+        self.copied, self._in_graph = _graph_event()
+        self.copied.record()  # made now, outside the capture; the first call finds it done
+        self.stream = torch.cuda.Stream(device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.stream):
+            for _ in range(warmup):
+                step(*self.inputs)
+        self.graph = torch.cuda.CUDAGraph()
+        self.output = _capture(self.graph, self.stream, lambda: self._body(step))
+
+    def _body(self, step: Callable):
+        """What the graph holds: (staged) the copies out of the staging buffers and the event
+        after them, then the step."""
+        if self.staged:
+            for static, buffer in zip(self.inputs, self.staging, strict=True):
+                static.copy_(buffer, non_blocking=True)
+            if self._in_graph:
+                self.copied.record()
+        return step(*self.inputs)
+
+    def load(self, *batch: torch.Tensor, wait: bool = True) -> None:
+        """Put a batch where the next replay reads it: queue its copy into ``inputs``, or (staged)
+        copy it into ``staging`` on the host, first waiting (``wait``) until the last replay's
+        copies have read them."""
+        if not self.staged:
+            for static, tensor in zip(self.inputs, batch, strict=True):
+                static.copy_(tensor, non_blocking=True)
+            return
+        if wait:
+            self.copied.synchronize()
+        for buffer, tensor in zip(self.staging, batch, strict=True):
+            buffer.copy_(tensor)
+
+    def replay(self):
+        """Queue the step on the current stream; returns ``output``."""
+        self.graph.replay()
+        if self.staged and not self._in_graph:
+            self.copied.record()  # after the whole step: later than needed, never too early
+        return self.output
+
+    def __call__(self, *batch: torch.Tensor):
+        self.load(*batch)
+        return self.replay()

@@ -2336,3 +2336,157 @@ def test_evictable_directory_skips_a_directory_that_keeps_its_pages(tmp_path):
         assert helpers.evictable_directory([shm, tmp_path]) == str(tmp_path)
         assert helpers.evictable_directory([shm]) == shm  # none takes: the first
     assert not any(p.name.startswith("evict-probe-") for p in tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------- CUDA graphs
+
+
+class _FakeGraphEvent:
+    def __init__(self, log):
+        self.log = log
+
+    def record(self):
+        self.log.append("record copied")
+
+    def synchronize(self):
+        self.log.append("wait copied")
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: the capture runs the body once to make
+    the output (a GPU's capture runs nothing), and each replay runs it again into that output,
+    as a replay writes the memory the capture saw."""
+
+    def __init__(self, log):
+        self.log, self.body, self.output = log, None, None
+
+    def replay(self):
+        self.log.append("replay")
+        self.output.copy_(self.body())
+
+
+@pytest.fixture
+def fake_graphs(fake_streams, monkeypatch):
+    """fake_streams, with torch.cuda's graphs and events faked too, so that GraphedStep runs on
+    CPU tensors (device="cpu"); returns the log and a switch for torch without graph events."""
+    log, _ = fake_streams
+    older_torch = {"on": False}
+
+    def event(external=False):
+        if external and older_torch["on"]:
+            raise TypeError("__new__() got an unexpected keyword argument 'external'")
+        return _FakeGraphEvent(log)
+
+    def capture(graph, stream, body):
+        with torch.cuda.stream(stream):
+            graph.body, graph.output = body, body()
+        log.append("captured")
+        return graph.output
+
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: _FakeGraph(log))
+    monkeypatch.setattr(helpers, "_capture", capture)
+    return log, older_torch
+
+
+def _doubling_step(log):
+    def step(x):  # what the graph holds: a note of the input it read, and its output
+        log.append(("step", torch.cuda.current_stream().name, x[0].item()))
+        return x * 2
+    return step
+
+
+def test_graphed_step_warms_up_on_a_side_stream_and_replays_in_place(fake_graphs):
+    log, _ = fake_graphs
+    graphed = helpers.GraphedStep(_doubling_step(log), [torch.ones(4)], warmup=3, device="cpu")
+    steps = [entry for entry in log if entry[0] == "step"]
+    assert steps == [("step", "side0", 1.0)] * 4  # three warm-ups and the capture, off the caller's
+    assert log.index("captured") > log.index(steps[-1])
+    address, output = graphed.inputs[0].data_ptr(), graphed.output
+    log.clear()
+    kept = graphed(torch.full((4,), 3.0))
+    assert kept is output and graphed.inputs[0].data_ptr() == address
+    assert log == ["replay", ("step", "compute", 3.0)] and kept[0].item() == 6
+    graphed(torch.full((4,), 5.0))
+    assert kept[0].item() == 10  # a kept output holds what the next replay wrote
+
+
+def test_a_staged_graphed_step_refills_its_buffers_only_after_its_event(fake_graphs):
+    log, _ = fake_graphs
+    graphed = helpers.GraphedStep(_doubling_step(log), [torch.zeros(4)], staged=True, warmup=1,
+                                  device="cpu")
+    assert log[-2:] == [("step", "side0", 0.0), "captured"]
+    assert log[-3] == "record copied"  # in the graph: the copies, the event, then the step
+    assert log[0] == "record copied"  # made and recorded before the warm-up: nothing to wait for
+    log.clear()
+    graphed(torch.full((4,), 2.0))
+    graphed(torch.full((4,), 3.0))
+    assert log == ["wait copied", "replay", "record copied", ("step", "compute", 2.0),
+                   "wait copied", "replay", "record copied", ("step", "compute", 3.0)]
+    log.clear()
+    graphed.load(torch.full((4,), 9.0), wait=False)
+    assert log == [] and graphed.staging[0][0].item() == 9  # refilled without waiting
+
+
+def test_a_staged_graphed_step_records_its_event_after_the_replay_on_an_older_torch(fake_graphs):
+    log, older_torch = fake_graphs
+    older_torch["on"] = True
+    graphed = helpers.GraphedStep(_doubling_step(log), [torch.zeros(4)], staged=True, warmup=1,
+                                  device="cpu")
+    assert log.count("record copied") == 1  # at construction, not in the graph
+    log.clear()
+    graphed(torch.full((4,), 2.0))
+    graphed(torch.full((4,), 3.0))
+    assert log == ["wait copied", "replay", ("step", "compute", 2.0), "record copied",
+                   "wait copied", "replay", ("step", "compute", 3.0), "record copied"]
+
+
+def _mlp_and_sgd_step(width=32):
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10)).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+    return model, step
+
+
+@needs_cuda
+@pytest.mark.parametrize("staged", [False, True])
+def test_graphed_step_trains_as_the_eager_step_does(staged):
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 32, generator=generator),
+                torch.randint(0, 10, (16,), generator=generator)) for _ in range(6)]
+    if not staged:  # copied outside the graph with non_blocking=True: from pinned memory
+        batches = [(x.pin_memory(), y.pin_memory()) for x, y in batches]
+    eager_model, eager = _mlp_and_sgd_step()
+    for _ in range(3):  # the graph's warm-up: three steps on the first batch
+        eager(*(t.cuda() for t in batches[0]))
+    expected = [eager(*(t.cuda() for t in batch)).item() for batch in batches[1:]]
+    graph_model, step = _mlp_and_sgd_step()
+    graphed = helpers.GraphedStep(step, batches[0], staged=staged)
+    assert [graphed(*batch).item() for batch in batches[1:]] == pytest.approx(expected,
+                                                                             rel=1e-5)
+    for ours, theirs in zip(graph_model.parameters(), eager_model.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs)
+
+
+@needs_cuda
+def test_a_staged_graphed_step_reads_a_buffer_refilled_too_early_but_not_after_its_event():
+    graphed = helpers.GraphedStep(lambda x: x * 2, [torch.zeros(1 << 20)], staged=True, warmup=1)
+    seen = {}
+    for wait in (False, True):
+        graphed.load(torch.ones(1 << 20))
+        helpers.gpu_busy(20)  # the replay's copy reads the staging buffer 20 ms from now
+        graphed.replay()
+        graphed.load(torch.full((1 << 20,), 2.0), wait=wait)  # the next batch
+        torch.cuda.synchronize()
+        seen[wait] = graphed.inputs[0].unique().tolist()
+    assert seen == {False: [2.0], True: [1.0]}
