@@ -2709,11 +2709,11 @@ def _measured(profile: _Profile, cause_of_call: dict, step_ms: float, loader_ms:
 
 def _findings(report: CheckupReport, per_cause: dict, savings_us: dict, reference_ms: float):
     """A finding per cause seen in at least every other step whose fix saves at least
-    MIN_SAVING_SHARE of the step or MIN_SAVING_MS; ``host_bound`` only where the host's time
+    MIN_SAVING_SHARE of the step and MIN_SAVING_MS; ``host_bound`` only where the host's time
     outside waits is at least the GPU's (the host cannot keep ahead), and then first, since
     every other fix then saves only the host time it takes away. Returns the findings and the
     causes seen in every other step that save too little (candidates for ``latent``)."""
-    floor = min(MIN_SAVING_SHARE * reference_ms, MIN_SAVING_MS)
+    floor = max(MIN_SAVING_SHARE * reference_ms, MIN_SAVING_MS)
     findings, small = [], []
     for key, us in savings_us.items():
         kind, label, where = key
@@ -2741,7 +2741,7 @@ def _latent(report: CheckupReport, graph: _StepGraph, fixes: dict, keys: list, s
     return: the price is taken where the host has just stopped being the bottleneck.)"""
     host_us, gpu_us = report.host_busy_ms * 1e3, report.gpu_work_ms * 1e3
     ahead = scale * min(1.0, HOST_AHEAD * gpu_us / host_us) if host_us > 0 else scale
-    floor = min(MIN_SAVING_SHARE * reference_ms, MIN_SAVING_MS)
+    floor = MIN_SAVING_MS  # the step it would be part of is shorter than this one
     later = _savings(graph, {key: fixes[key] for key in keys}, ahead)
     found = []
     for key in keys:
