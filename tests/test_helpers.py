@@ -1524,8 +1524,8 @@ def test_checkup_findings_need_a_saving_worth_naming_in_every_other_step():
                ("hidden_sync", "torch.unique()", "in f"): 400.0,  # once in four steps
                ("host_bound", "", ""): 500.0}  # the host is not the bottleneck
     findings, small = helpers._findings(report, per_cause, savings, 1.0)
-    assert [(f.kind, f.cost_ms, f.predicted_step_ms) for f in findings] == [
-        ("explicit_sync", 0.061, 0.939)]
+    assert [(f.kind, f.cost_ms) for f in findings] == [("explicit_sync", 0.061)]
+    assert findings[0].predicted_step_ms == pytest.approx(0.939)
     assert small == [("scalar_read", ".item()", "in f")]
     report.host_busy_ms = 2.0  # now it is: named first, though another saves more
     savings[("explicit_sync", "synchronize()", "in f")] = 600.0
