@@ -1099,7 +1099,7 @@ def test_checkup_trace_names_a_pageable_copy_and_its_sync_once():
     # synchronisation is gone; the kernel, launched 55 us into the step, waits for the copy
     # (ends at 92.4 us) and the host's 600 us after it paces the step: 655 us, 345 us saved.
     # (The old model, GPU idle owned by the wait, said 410 us.)
-    assert report.idle_ms == pytest.approx({"pageable_h2d": 0.345, "host_bound": 0.04})
+    assert report.savings_ms == pytest.approx({"pageable_h2d": 0.345, "host_bound": 0.04})
     assert report.gpu_busy == pytest.approx(0.59) and report.replay_fidelity == pytest.approx(1)
     finding = report.findings[0]
     assert finding.cost_ms == pytest.approx(0.345) and "01" in finding.notebooks
@@ -1135,7 +1135,7 @@ def test_checkup_trace_tells_item_from_a_blocking_d2h_and_an_explicit_sync_by_co
     assert report.latent == []
     assert report.syncs == {"scalar_read": 1, "blocking_d2h": 1, "explicit_sync": 1}
     assert report.d2h == (2, 4100)
-    assert report.idle_ms == pytest.approx({"explicit_sync": 0.1, "scalar_read": 0.028,
+    assert report.savings_ms == pytest.approx({"explicit_sync": 0.1, "scalar_read": 0.028,
                                             "blocking_d2h": 0.015, "host_bound": 0.02})
 
 
@@ -1154,9 +1154,9 @@ def test_checkup_trace_sees_an_exposed_pinned_copy_and_a_hidden_one():
     report = helpers.analyze_checkup_trace(_step_trace(950, exposed), steps=2)
     assert report.kinds == {"copy_exposed"}, str(report)
     assert report.findings[0].predicted_step_ms == pytest.approx(0.75)
-    assert report.copy_exposed_ms == pytest.approx(0.2)
+    assert report.saving_ms("copy_exposed") == pytest.approx(0.2)
     clean = helpers.analyze_checkup_trace(_step_trace(1000, hidden), steps=2)
-    assert clean.findings == [] and clean.copy_exposed_ms == 0
+    assert clean.findings == [] and clean.saving_ms("copy_exposed") == 0
     assert clean.gpu_busy > 0.95
 
 
@@ -1170,7 +1170,8 @@ def test_checkup_trace_sees_the_gpu_idle_waiting_for_data_and_ignores_other_thre
     assert report.kinds == {"data_wait"}, str(report)
     # the batch already there, each kernel is launched at its step's start: 300 us a step sooner
     # (the old model's GPU idle said 0.305 ms)
-    assert report.data_wait_ms == pytest.approx(0.3) and report.data_idle_ms == pytest.approx(0.3)
+    assert report.data_wait_ms == pytest.approx(0.3)
+    assert report.saving_ms("data_wait") == pytest.approx(0.3)
     assert report.syncs == {}
 
     def busy_meanwhile(t0, k):  # the GPU still runs queued work: the wait costs nothing
@@ -1226,7 +1227,7 @@ def test_checkup_trace_sees_a_sync_on_autograds_thread_and_a_host_bound_step():
     assert report.kinds == {"scalar_read"}, str(report)
     assert "CheckBackward" in str(report.findings[0]) and ".item()" in str(report.findings[0])
     # from the read to the next kernel, and the host, behind, never gets ahead again
-    assert report.idle_ms["scalar_read"] == pytest.approx(0.12)
+    assert report.savings_ms["scalar_read"] == pytest.approx(0.12)
 
     def host_bound(t0, k):  # kernels of 20 us, launched every 100 us by a busy host
         return [_host("python_function", "train.py(1): step", t0, 999)] + [
@@ -1302,7 +1303,7 @@ def test_checkup_replay_names_a_launch_bound_step_first_and_prices_its_copy_smal
     assert report.host_busy_ms > 10 * report.gpu_work_ms
     # made pinned, the copy saves the host 40 - 20 us (its call, less a launch): no more than
     # its own 20 us on the device, and too little to be a finding
-    assert 0 < report.idle_ms["pageable_h2d"] <= 0.02
+    assert 0 < report.savings_ms["pageable_h2d"] <= 0.02
     assert "pageable_h2d" not in report.kinds and "scalar_read" not in report.kinds
     # the read costs nothing while the host is the bottleneck, and would once it is not
     assert [f.kind for f in report.latent] == ["scalar_read"]
@@ -1344,7 +1345,7 @@ def test_checkup_replay_sees_that_a_prefetch_would_hide_an_exposed_copy():
     report = helpers.analyze_checkup_trace(_step_trace(300, _exposed_copy_step, steps=4),
                                            steps=4)
     assert report.kinds == {"copy_exposed"}, str(report)
-    assert report.copy_exposed_ms == pytest.approx(0.2)
+    assert report.saving_ms("copy_exposed") == pytest.approx(0.2)
     assert report.findings[0].predicted_step_ms == pytest.approx(0.7)
     assert report.replay_fidelity == pytest.approx(1)
 
@@ -1510,7 +1511,7 @@ def test_checkup_fixes_a_pageable_copy_by_pinning_it_and_dropping_its_sync():
 def _bare_report(**fields):
     values = dict(steps=4, step_ms=1.0, profiled_step_ms=1.0, gpu_busy=0.9, h2d_pageable=(0, 0),
                   h2d_pinned=(0, 0), d2h=(0, 0), syncs={}, host_wait_ms=0.0, data_wait_ms=0.0,
-                  idle_ms={})
+                  savings_ms={})
     return helpers.CheckupReport(**{**values, **fields})
 
 
@@ -1613,7 +1614,7 @@ def test_checkup_names_exactly_the_planted_defect(planted):
     assert report.kinds == ({planted} if planted else set()), str(report)
     if planted is None:
         assert report.gpu_busy > 0.9 and report.h2d_pinned[0] == pytest.approx(1)
-        assert report.copy_exposed_ms < 0.05 * report.profiled_step_ms
+        assert report.saving_ms("copy_exposed") < 0.05 * report.profiled_step_ms
     assert report.step_ms > 0 and report.step_window(1)
 
 
@@ -2194,7 +2195,7 @@ def test_checkup_predicts_what_its_top_fix_saves(case, float32_matmuls):
             problems.append(f"{other.kind} promises {other.cost_ms:.3f} ms, more than the top "
                             f"fix ({top.kind}) measures: {measured:.3f} ms")
     for kind, variant in ablation.data_checks.items():
-        priced, saved = report.idle_ms.get(kind, 0.0), ms["as_is"] - ms[variant]
+        priced, saved = report.saving_ms(kind), ms["as_is"] - ms[variant]
         if not _at_most(priced, saved):
             problems.append(f"{kind} priced {priced:.3f} ms, but {variant} measures "
                             f"{saved:.3f} ms saved")
