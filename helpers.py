@@ -1878,7 +1878,7 @@ class CheckupReport:
     data_wait_ms: float  # in next(batches), per step
     #: cause -> the step time the replay saves without it, per step at the unprofiled pace
     #: (every cause seen, findings or not; "host_bound": with no host time outside waits)
-    idle_ms: dict[str, float]
+    savings_ms: dict[str, float]
     loader_ms: float = float("nan")  # the batch source alone, per batch, at its steady pace
     findings: list[Finding] = field(default_factory=list)
     latent: list[Latent] = field(default_factory=list)
@@ -1900,13 +1900,10 @@ class CheckupReport:
     def kinds(self) -> set[str]:
         return {f.kind for f in self.findings}
 
-    @property
-    def copy_exposed_ms(self) -> float:
-        return self.idle_ms.get("copy_exposed", 0.0)
-
-    @property
-    def data_idle_ms(self) -> float:
-        return self.idle_ms.get("data_wait", 0.0)
+    def saving_ms(self, kind: str) -> float:
+        """What removing every cause of ``kind`` saves a step, as the replay predicts (0 where
+        none was seen)."""
+        return self.savings_ms.get(kind, 0.0)
 
     @property
     def steady(self) -> bool:
@@ -1954,7 +1951,7 @@ class CheckupReport:
              f"{self.short_kernels:.0%}" if self.short_kernels == self.short_kernels else "-"),
             ("launch queue (kernels waiting)", f"{self.launch_queue:.3g}"),
             ("replay / profiled step", f"{self.replay_fidelity:.3f}"),
-            ("predicted saving, by cause", per_cause(self.idle_ms, " ms")),
+            ("predicted saving, by cause", per_cause(self.savings_ms, " ms")),
             ("H2D copies from pageable memory", copies(self.h2d_pageable)),
             ("H2D copies from pinned memory", copies(self.h2d_pinned)),
             ("D2H copies", copies(self.d2h)),
@@ -2699,7 +2696,7 @@ def _measured(profile: _Profile, cause_of_call: dict, step_ms: float, loader_ms:
         syncs={kind: n / steps for kind, n in syncs.items()},
         host_wait_ms=sum(c["dur"] for c in blocking) / steps / 1e3,
         data_wait_ms=_length(_union(profile.data_waits)) / steps / 1e3,
-        idle_ms={}, loader_ms=loader_ms,
+        savings_ms={}, loader_ms=loader_ms,
         profiled_periods_ms=[(marks[k + 1][0] - marks[k][0]) / 1e3 for k in range(steps - 1)],
         activities=[a for a in parse_chrome_trace(trace)
                     if not a.name.startswith("ProfilerStep#")])
@@ -2711,11 +2708,11 @@ def _measured(profile: _Profile, cause_of_call: dict, step_ms: float, loader_ms:
 
 def _findings(report: CheckupReport, per_cause: dict, savings_us: dict, reference_ms: float):
     """A finding per cause seen in at least every other step whose fix saves at least
-    MIN_SAVING_SHARE of the step or MIN_SAVING_MS; ``host_bound`` only where the host's time
+    MIN_SAVING_SHARE of the step and MIN_SAVING_MS; ``host_bound`` only where the host's time
     outside waits is at least the GPU's (the host cannot keep ahead), and then first, since
     every other fix then saves only the host time it takes away. Returns the findings and the
     causes seen in every other step that save too little (candidates for ``latent``)."""
-    floor = min(MIN_SAVING_SHARE * reference_ms, MIN_SAVING_MS)
+    floor = max(MIN_SAVING_SHARE * reference_ms, MIN_SAVING_MS)
     findings, small = [], []
     for key, us in savings_us.items():
         kind, label, where = key
@@ -2743,7 +2740,7 @@ def _latent(report: CheckupReport, graph: _StepGraph, fixes: dict, keys: list, s
     return: the price is taken where the host has just stopped being the bottleneck.)"""
     host_us, gpu_us = report.host_busy_ms * 1e3, report.gpu_work_ms * 1e3
     ahead = scale * min(1.0, HOST_AHEAD * gpu_us / host_us) if host_us > 0 else scale
-    floor = min(MIN_SAVING_SHARE * reference_ms, MIN_SAVING_MS)
+    floor = MIN_SAVING_MS  # the step it would be part of is shorter than this one
     later = _savings(graph, {key: fixes[key] for key in keys}, ahead)
     found = []
     for key in keys:
@@ -2801,7 +2798,7 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
     by_kind: dict[str, float] = collections.defaultdict(float)
     for (kind, _, _), us in savings.items():
         by_kind[kind] += max(us, 0.0) / 1e3
-    report.idle_ms = {kind: round(ms, 6) for kind, ms in by_kind.items() if ms >= 5e-4}
+    report.savings_ms = {kind: round(ms, 6) for kind, ms in by_kind.items() if ms >= 5e-4}
     reference_ms = step_ms if step_ms == step_ms else report.profiled_step_ms
     per_cause = _calls_per_cause(graph)
     report.findings, small = _findings(report, per_cause, savings, reference_ms)
