@@ -1787,6 +1787,9 @@ MEMCPY_CALLS = frozenset({"cudaMemcpy", "cudaMemcpyAsync", "cuMemcpy", "cuMemcpy
                           "cuMemcpyDtoHAsync_v2"})
 LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
                           "cuLaunchKernelEx"})
+#: one call that launches a captured CUDA graph: every kernel of the replay carries its
+#: correlation id (notebook 13)
+GRAPH_LAUNCH_CALLS = frozenset({"cudaGraphLaunch", "cuGraphLaunch"})
 #: per kind of finding: what to change, and the notebooks that measure why
 ADVICE = {
     "pageable_h2d": ("copy from pinned memory with non_blocking=True: DataLoader(pin_memory=True)"
@@ -2127,7 +2130,8 @@ def _read_profile(trace: dict | list, steps: int) -> _Profile:
     calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     # the threads that launched the steps' work (autograd's too); not a pin-memory thread
     threads = {(c["pid"], c["tid"]) for c in calls
-               if c["name"] in LAUNCH_CALLS and begin <= c["ts"] <= end} | {main}
+               if c["name"] in LAUNCH_CALLS | GRAPH_LAUNCH_CALLS and begin <= c["ts"] <= end}
+    threads.add(main)
     device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                     key=lambda e: e["ts"])
     context = [e for e in events if e.get("cat") in ("cpu_op", "python_function")]
@@ -2631,7 +2635,9 @@ def _launch_evidence(graph: _StepGraph) -> tuple[float, float, float, float]:
     """The signs Holistic Trace Analysis reads for a step bound by its launches ("CUDA kernel
     launch statistics", "queue length"): the share of kernels shorter than their launch call,
     the mean number of kernels launched and not yet begun; and, per step as profiled, the host's
-    time outside waits and the device's time (kernels and copies, overlaps once)."""
+    time outside waits and the device's time (kernels and copies, overlaps once). A graph's
+    kernels share one launch call, so only kernels launched one by one count for the first two
+    (none: not a number)."""
     kernels = [op for op in graph.device if op.kind == "kernel" and op.launch >= 0
                and graph.host[op.launch].name in LAUNCH_CALLS]
     short = (sum(op.dur_us < graph.host[op.launch].own_us for op in kernels) / len(kernels)

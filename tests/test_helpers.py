@@ -1290,6 +1290,24 @@ def _cifar_step(t0, k):
             + _item(t0, 1700, 1710, 5000 + k, wait_us=40))
 
 
+def _graphed_step(t0, k):
+    """A step replayed as a CUDA graph: one cudaGraphLaunch of 20 us, then 30 kernels of 20 us
+    back to back on the stream, all carrying the launch's correlation id."""
+    launch = 7000 + k
+    return ([_python(t0, 900), _host("cuda_runtime", "cudaGraphLaunch", t0 + 10, 20, launch)]
+            + [_device("kernel", f"graph_kernel_{j}", t0 + 35 + 20 * j, 20, 7,
+                       correlation=launch) for j in range(30)])
+
+
+def test_checkup_replays_a_graph_launch_and_takes_no_launch_evidence_from_it():
+    report = helpers.analyze_checkup_trace(_step_trace(1000, _graphed_step, steps=4), steps=4)
+    assert report.replay_fidelity == pytest.approx(1)
+    assert report.gpu_work_ms == pytest.approx(0.6)  # 30 kernels of 20 us
+    # the graph's kernels share one launch: no share of kernels shorter than their launch
+    assert math.isnan(report.short_kernels)
+    assert "host_bound" in report.kinds  # 900 us of Python a step against 600 us of kernels
+
+
 def test_checkup_replay_names_a_launch_bound_step_first_and_prices_its_copy_small():
     report = helpers.analyze_checkup_trace(_step_trace(2000, _cifar_step, steps=4), steps=4)
     assert report.replay_fidelity == pytest.approx(1)
