@@ -3474,19 +3474,23 @@ class GraphedStep:
     optimizer's step, say) and returns its output (the loss); ``example`` is a batch on the host,
     a sequence of tensors that fixes the shapes and dtypes. A replay reads and writes the memory
     the capture saw: the batch goes into static tensors on ``device`` (``inputs``), made once,
-    and ``output`` is overwritten by the next replay (``clone()`` it to keep it). Two ways in:
+    and ``output`` is overwritten in place by the next replay (``clone()`` it to keep it); it is
+    detached from the captured step's autograd graph, which would otherwise stay alive and keep
+    the parameters' gradient accumulators bound to the capture. Two ways in:
 
     - ``staged=False``: a call copies the batch into ``inputs`` with ``copy_(non_blocking=True)``,
       outside the graph (from pinned memory, so that the host does not wait), then replays;
     - ``staged=True``: the copies from pinned staging buffers (``staging``) into ``inputs`` are
       part of the graph, and so is an event right after them (``copied``). A call waits on that
-      event (the last replay's copies have read the buffers), copies the batch into the buffers
-      on the host (from pageable memory too), then replays.
+      event (the last replay's copies have read the buffers; before the first replay there is
+      nothing to wait for), copies the batch into the buffers on the host (from pageable memory
+      too), then replays.
 
     Before the capture the step runs ``warmup`` times on the example batch, on a side stream, so
     that lazy set-up (cuBLAS workspaces, the allocator's blocks) happens outside the capture;
-    those runs train like any other step. An optimizer that counts its steps on the host needs
-    ``capturable=True`` (Adam, AdamW); SGD is captured as it is.
+    those runs train like any other step, and the caller's stream waits for them. An optimizer
+    that counts its steps on the host needs ``capturable=True`` (Adam, AdamW); SGD is captured
+    as it is.
     """
 
     def __init__(self, step: Callable, example: Sequence[torch.Tensor], *,
@@ -3498,14 +3502,18 @@ class GraphedStep:
         self.staging = ([torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t)
                          for t in example] if staged else [])
         self.copied, self._in_graph = _graph_event()
-        self.copied.record()  # made now, outside the capture; the first call finds it done
+        self.copied.record()  # made now, outside the capture (which records it again)
+        self._replayed = False  # until the first replay, load() has no copies to wait for
         self.stream = torch.cuda.Stream(device)
-        self.stream.wait_stream(torch.cuda.current_stream(device))
+        caller = torch.cuda.current_stream(device)
+        self.stream.wait_stream(caller)
         with torch.cuda.stream(self.stream):
             for _ in range(warmup):
                 step(*self.inputs)
+        caller.wait_stream(self.stream)  # the warm-up is ordered before whatever comes next
         self.graph = torch.cuda.CUDAGraph()
-        self.output = _capture(self.graph, self.stream, lambda: self._body(step))
+        output = _capture(self.graph, self.stream, lambda: self._body(step))
+        self.output = map_tensors(torch.Tensor.detach, output)  # the same memory, no grad_fn
 
     def _body(self, step: Callable):
         """What the graph holds: (staged) the copies out of the staging buffers and the event
@@ -3520,12 +3528,13 @@ class GraphedStep:
     def load(self, *batch: torch.Tensor, wait: bool = True) -> None:
         """Put a batch where the next replay reads it: queue its copy into ``inputs``, or (staged)
         copy it into ``staging`` on the host, first waiting (``wait``) until the last replay's
-        copies have read them."""
+        copies have read them. Before the first replay it never waits: the last record of
+        ``copied`` is then the capture's, which no replay has run."""
         if not self.staged:
             for static, tensor in zip(self.inputs, batch, strict=True):
                 static.copy_(tensor, non_blocking=True)
             return
-        if wait:
+        if wait and self._replayed:
             self.copied.synchronize()
         for buffer, tensor in zip(self.staging, batch, strict=True):
             buffer.copy_(tensor)
@@ -3533,6 +3542,7 @@ class GraphedStep:
     def replay(self):
         """Queue the step on the current stream; returns ``output``."""
         self.graph.replay()
+        self._replayed = True
         if self.staged and not self._in_graph:
             self.copied.record()  # after the whole step: later than needed, never too early
         return self.output

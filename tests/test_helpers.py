@@ -2826,6 +2826,12 @@ def test_graphed_step_warms_up_on_a_side_stream_and_replays_in_place(fake_graphs
     steps = [entry for entry in log if entry[0] == "step"]
     assert steps == [("step", "side0", 1.0)] * 4  # three warm-ups and the capture, off the caller's
     assert log.index("captured") > log.index(steps[-1])
+    # the side stream starts after the caller's work; the caller waits for the warm-up before
+    # the capture (the recipe of torch's docs)
+    waits = [entry for entry in log if entry[1:2] == ("wait_stream",)]
+    assert waits == [("side0", "wait_stream", "compute"), ("compute", "wait_stream", "side0")]
+    step_at = [index for index, entry in enumerate(log) if entry[0] == "step"]
+    assert step_at[2] < log.index(waits[1]) < step_at[3]  # after the warm-up, before the capture
     address, output = graphed.inputs[0].data_ptr(), graphed.output
     log.clear()
     kept = graphed(torch.full((4,), 3.0))
@@ -2845,7 +2851,7 @@ def test_a_staged_graphed_step_refills_its_buffers_only_after_its_event(fake_gra
     log.clear()
     graphed(torch.full((4,), 2.0))
     graphed(torch.full((4,), 3.0))
-    assert log == ["wait copied", "replay", "record copied", ("step", "compute", 2.0),
+    assert log == ["replay", "record copied", ("step", "compute", 2.0),  # nothing to wait for
                    "wait copied", "replay", "record copied", ("step", "compute", 3.0)]
     log.clear()
     graphed.load(torch.full((4,), 9.0), wait=False)
@@ -2861,8 +2867,46 @@ def test_a_staged_graphed_step_records_its_event_after_the_replay_on_an_older_to
     log.clear()
     graphed(torch.full((4,), 2.0))
     graphed(torch.full((4,), 3.0))
-    assert log == ["wait copied", "replay", ("step", "compute", 2.0), "record copied",
+    assert log == ["replay", ("step", "compute", 2.0), "record copied",
                    "wait copied", "replay", ("step", "compute", 3.0), "record copied"]
+
+
+@pytest.mark.parametrize("older", [False, True])
+def test_a_staged_graphed_step_waits_on_its_event_only_after_the_first_replay(fake_graphs,
+                                                                             older):
+    # Before any replay the event's last record is the one in the capture, which has not run:
+    # the first loads must not wait on it; every load after a replay waits.
+    log, older_torch = fake_graphs
+    older_torch["on"] = older
+    graphed = helpers.GraphedStep(_doubling_step(log), [torch.zeros(4)], staged=True, warmup=1,
+                                  device="cpu")
+    log.clear()
+    graphed.load(torch.full((4,), 2.0))
+    graphed.load(torch.full((4,), 3.0))  # loaded again, still before any replay
+    assert "wait copied" not in log and graphed.staging[0][0].item() == 3
+    graphed.replay()
+    log.clear()
+    graphed.load(torch.full((4,), 4.0))
+    graphed.load(torch.full((4,), 5.0))
+    assert log == ["wait copied", "wait copied"] and graphed.staging[0][0].item() == 5
+
+
+def test_a_graphed_step_output_is_detached_and_shares_the_captured_memory(fake_graphs):
+    # The captured loss's grad_fn would keep the step's autograd graph (and the parameters'
+    # AccumulateGrad nodes) alive; the output kept is detached, a view of the same memory that
+    # each replay rewrites.
+    log, _ = fake_graphs
+    weight = torch.ones(4, requires_grad=True)
+    graphed = helpers.GraphedStep(lambda x: (x * weight).sum(), [torch.ones(4)], warmup=1,
+                                  device="cpu")
+    captured = graphed.graph.output  # what the capture returned
+    assert captured.grad_fn is not None
+    assert graphed.output.grad_fn is None and not graphed.output.requires_grad
+    assert graphed.output.data_ptr() == captured.data_ptr()
+    kept = graphed(torch.full((4,), 2.0))
+    assert kept is graphed.output and kept.item() == 8  # the replay wrote the shared memory
+    graphed(torch.full((4,), 3.0))
+    assert kept.item() == 12
 
 
 def _mlp_and_sgd_step(width=32):
@@ -2896,6 +2940,7 @@ def test_graphed_step_trains_as_the_eager_step_does(staged):
     expected = [eager(*(t.cuda() for t in batch)).item() for batch in batches[1:]]
     graph_model, step = _mlp_and_sgd_step()
     graphed = helpers.GraphedStep(step, batches[0], staged=staged)
+    assert graphed.output.grad_fn is None  # detached: the capture's autograd graph is not kept
     assert [graphed(*batch).item() for batch in batches[1:]] == pytest.approx(expected,
                                                                              rel=1e-5)
     for ours, theirs in zip(graph_model.parameters(), eager_model.parameters(), strict=True):
@@ -2908,7 +2953,7 @@ def test_a_staged_graphed_step_reads_a_buffer_refilled_too_early_but_not_after_i
     seen = {}
     for wait in (False, True):
         graphed.load(torch.ones(1 << 20))
-        helpers.gpu_busy(20)  # the replay's copy reads the staging buffer 20 ms from now
+        helpers.gpu_busy(50)  # the replay's copy reads the staging buffer 50 ms from now
         graphed.replay()
         graphed.load(torch.full((1 << 20,), 2.0), wait=wait)  # the next batch
         torch.cuda.synchronize()
