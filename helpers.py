@@ -19,6 +19,8 @@ or on Colab downloads this one file). Sections:
 10. Checkpoints      the page cache (residency, eviction), page faults and disk reads of a
                      call, peak host memory; where a checkpoint's tensors lie (torch.save,
                      safetensors, shards) and a loader through reused pinned buffers
+11. CUDA graphs      a training step captured once and replayed, its batch copied in
+                     outside the graph or from pinned staging buffers inside it
 """
 
 from __future__ import annotations
@@ -1878,6 +1880,9 @@ MEMCPY_CALLS = frozenset({"cudaMemcpy", "cudaMemcpyAsync", "cuMemcpy", "cuMemcpy
                           "cuMemcpyDtoHAsync_v2"})
 LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
                           "cuLaunchKernelEx"})
+#: one call that launches a captured CUDA graph: every kernel of the replay carries its
+#: correlation id (notebook 13)
+GRAPH_LAUNCH_CALLS = frozenset({"cudaGraphLaunch", "cuGraphLaunch"})
 #: per kind of finding: what to change, and the notebooks that measure why
 ADVICE = {
     "pageable_h2d": ("copy from pinned memory with non_blocking=True: DataLoader(pin_memory=True)"
@@ -1905,28 +1910,51 @@ ADVICE = {
     "data_wait": ("the loader does not keep up: more workers, compact (uint8) batches, "
                   "work moved to the GPU", ("06", "07")),
     "host_bound": ("the GPU waits for Python to launch kernels: fewer, larger operations, "
-                   "CUDA graphs or torch.compile", ("00",)),
+                   "CUDA graphs or torch.compile", ("00", "13")),
 }
-PER_STEP = 0.5  # a wait seen in at least every other step, with a cost, is part of the step
-EXPOSED_SHARE = 0.05  # of the step time: copy time not hidden behind compute worth a finding
-DATA_WAIT_SHARE = 0.10  # of the step time: GPU idle while the host waits for the next batch
-HOST_BOUND_SHARE = 0.10  # of the step time: GPU idle with no data movement or wait to blame
-MIN_WAIT_US = 20.0  # a synchronisation shorter than this found the work done: it waited for nothing
-QUEUED_US = 50.0  # a kernel that starts this long after its launch was queued: the host is ahead
-_SHARES = {"copy_exposed": EXPOSED_SHARE, "data_wait": DATA_WAIT_SHARE,
-           "host_bound": HOST_BOUND_SHARE}
+PER_STEP = 0.5  # a cause seen in at least every other step is part of the step
+#: a finding saves at least this share of the step, or this many milliseconds
+MIN_SAVING_SHARE, MIN_SAVING_MS = 0.03, 0.05
+STEADY_RATIO = 1.25  # timed and profiled steps (or the first profiled step and the rest) agree
+BACK_TO_BACK_US = 1.0  # a device op this close behind the one before it on its stream queued
+CROSS_STREAM_US = 5.0  # a device op that starts this long after its launch and its stream
+# allowed it waited for another stream (an event, cudaStreamWaitEvent)
+LAUNCH_US = 5.0  # a launch's host time when the trace has no launch to measure it by
+LINK_GBPS = 20.0  # pinned host-to-device rate when the trace has no pinned copy to measure
+HOST_AHEAD = 0.5  # latent costs are priced with the host's time at this share of the GPU's
 
 
 @dataclass(frozen=True)
 class Finding:
     kind: str  # a key of ADVICE
     seen: str  # what was measured, per step
-    cost_ms: float  # per step: the GPU idle time it causes, at the unprofiled pace
+    cost_ms: float  # per step: the step time the replay saves without it (unprofiled pace)
+    advice: str
+    notebooks: tuple[str, ...]
+    predicted_step_ms: float = float("nan")  # the step time the replay predicts without it
+
+    def __str__(self) -> str:
+        after = (f" -> about {self.predicted_step_ms:.3g} ms a step without it"
+                 if self.predicted_step_ms == self.predicted_step_ms else "")
+        return (f"{self.kind}, {self.cost_ms:.3g} ms a step{after}: {self.seen} -> "
+                f"{self.advice} (notebook {', '.join(self.notebooks)})")
+
+
+@dataclass(frozen=True)
+class Latent:
+    """A habit that costs (almost) nothing now because the host is the bottleneck, and what the
+    replay says it would cost once the host's time were down to ``HOST_AHEAD`` of the GPU's."""
+
+    kind: str  # a key of ADVICE
+    seen: str
+    cost_ms: float  # now, per step
+    later_ms: float  # once the host is not the bottleneck, per step
     advice: str
     notebooks: tuple[str, ...]
 
     def __str__(self) -> str:
-        return (f"{self.kind}, {self.cost_ms:.3g} ms a step: {self.seen} -> {self.advice} "
+        return (f"{self.kind}: {self.seen}: free while the host is the bottleneck; about "
+                f"{self.later_ms:.3g} ms a step once it is not -> {self.advice} "
                 f"(notebook {', '.join(self.notebooks)})")
 
 
@@ -1944,9 +1972,22 @@ class CheckupReport:
     syncs: dict[str, float]  # cause -> synchronisations per step, on every thread of the step
     host_wait_ms: float  # in them and in copies that block, per step
     data_wait_ms: float  # in next(batches), per step
-    idle_ms: dict[str, float]  # cause -> GPU idle it explains per step (unprofiled pace)
+    #: cause -> the step time the replay saves without it, per step at the unprofiled pace
+    #: (every cause seen, findings or not; "host_bound": with no host time outside waits)
+    savings_ms: dict[str, float]
     loader_ms: float = float("nan")  # the batch source alone, per batch, at its steady pace
     findings: list[Finding] = field(default_factory=list)
+    latent: list[Latent] = field(default_factory=list)
+    replay_fidelity: float = float("nan")  # the replay's step, nothing removed / the trace's
+    #: the replay's step with the host's time scaled to match ``step_ms`` as well as it can
+    #: (the profiler slows the host only): far from ``step_ms``, the two runs differ
+    replay_step_ms: float = float("nan")
+    host_busy_ms: float = float("nan")  # host time outside waits, per step (unprofiled pace)
+    gpu_work_ms: float = float("nan")  # device time (kernels, copies) per step
+    short_kernels: float = float("nan")  # share of kernels shorter than their launch call
+    launch_queue: float = float("nan")  # kernels launched and not begun, on average
+    host_allocs_timed: float = float("nan")  # pinned blocks the host allocator made while timed
+    profiled_periods_ms: list[float] = field(default_factory=list, repr=False)
     activities: list[Activity] = field(default_factory=list, repr=False)
     host_steps: list[tuple[float, float]] = field(default_factory=list, repr=False)
     gpu_steps: list[tuple[float, float]] = field(default_factory=list, repr=False)
@@ -1955,13 +1996,37 @@ class CheckupReport:
     def kinds(self) -> set[str]:
         return {f.kind for f in self.findings}
 
-    @property
-    def copy_exposed_ms(self) -> float:
-        return self.idle_ms.get("copy_exposed", 0.0)
+    def saving_ms(self, kind: str) -> float:
+        """What removing every cause of ``kind`` saves a step, as the replay predicts (0 where
+        none was seen)."""
+        return self.savings_ms.get(kind, 0.0)
 
     @property
-    def data_idle_ms(self) -> float:
-        return self.idle_ms.get("data_wait", 0.0)
+    def steady(self) -> bool:
+        """Whether the timed steps and the profiled ones agree, and the profiled ones with each
+        other: the findings describe the step that was timed."""
+        return not self.unsteady()
+
+    def unsteady(self) -> list[str]:
+        notes = []
+        explained = (self.replay_step_ms if self.replay_step_ms == self.replay_step_ms
+                     else self.profiled_step_ms)
+        ratio = self.step_ms / explained if explained else float("nan")
+        if ratio == ratio and not 1 / STEADY_RATIO <= ratio <= STEADY_RATIO:
+            notes.append(f"the timed steps ({self.step_ms:.3g} ms) and the profiled ones "
+                         f"({self.profiled_step_ms:.3g} ms; {explained:.3g} ms with the host "
+                         f"at its unprofiled pace) disagree: the step is not steady, and the "
+                         f"findings may not describe the timed step")
+        periods = self.profiled_periods_ms
+        if len(periods) > 2:
+            rest = statistics.median(periods[1:])
+            if rest > 0 and (periods[0] > STEADY_RATIO * rest or max(periods) > 2 * rest):
+                notes.append(f"the profiled steps vary: {periods[0]:.3g} ms first, "
+                             f"{rest:.3g} ms typical, {max(periods):.3g} ms the longest")
+        if self.host_allocs_timed == self.host_allocs_timed and self.host_allocs_timed > 0:
+            notes.append(f"the host allocator pinned {self.host_allocs_timed:.0f} new blocks "
+                         f"while the steps were timed: they were still warming up")
+        return notes
 
     def rows(self) -> list[tuple[str, str]]:
         def copies(pair):
@@ -1976,7 +2041,13 @@ class CheckupReport:
             rows.append(("the batch source alone, per batch", f"{self.loader_ms:.3g} ms"))
         return rows + [
             ("GPU busy (kernel time / step time)", f"{self.gpu_busy:.2f}"),
-            ("GPU idle, by cause", per_cause(self.idle_ms, " ms")),
+            ("host busy / GPU work, per step",
+             f"{self.host_busy_ms:.3g} ms / {self.gpu_work_ms:.3g} ms"),
+            ("kernels shorter than their launch",
+             f"{self.short_kernels:.0%}" if self.short_kernels == self.short_kernels else "-"),
+            ("launch queue (kernels waiting)", f"{self.launch_queue:.3g}"),
+            ("replay / profiled step", f"{self.replay_fidelity:.3f}"),
+            ("predicted saving, by cause", per_cause(self.savings_ms, " ms")),
             ("H2D copies from pageable memory", copies(self.h2d_pageable)),
             ("H2D copies from pinned memory", copies(self.h2d_pinned)),
             ("D2H copies", copies(self.d2h)),
@@ -1988,8 +2059,12 @@ class CheckupReport:
         width = max(len(name) for name, _ in self.rows())
         lines = [f"per step, over {self.steps} profiled steps"]
         lines += [f"  {name:<{width}}  {value}" for name, value in self.rows()]
+        lines += [f"  ! {note}" for note in self.unsteady()]
         lines += ["findings, costliest first:"]
         lines += [f"  - {f}" for f in self.findings] or ["  none"]
+        if self.latent:
+            lines += ["latent (free now, not once the host keeps ahead):"]
+            lines += [f"  - {f}" for f in self.latent]
         return "\n".join(lines)
 
     def step_window(self, first: int, count: int = 1) -> list[Activity]:
@@ -2095,6 +2170,237 @@ def _enclosing(context: list[dict], calls: list[dict]) -> dict[int, list[dict]]:
     return result
 
 
+# The check-up in four stages: the trace -> the profiled steps (_read_profile, _blocking_causes)
+# -> the step's dependency graph (_device_work, _host_lane, _link_device_work, _link_waits)
+# -> a replay of the graph, as it ran and with each cause removed (_replay, _fixes)
+# -> findings, costliest first (_savings, _findings, _latent).
+#
+# The cost of a cause is the step time the replay saves without it, as Daydream does (Zhu et
+# al., "Daydream: Accurately Estimating the Efficacy of Optimizations for DNN Training", USENIX
+# ATC 2020): build a dependency graph of host and device work from a CUPTI trace, change the
+# graph as the optimisation would, and simulate it. Unlike Daydream, the graph here has one
+# host lane (the step's threads in time order), no mapping of work to layers and no
+# framework-level transformations (fusing, reordering, distributed training): a fix only
+# changes durations (a host call, a copy) and drops waits. Also unlike it, the host's time is
+# scaled so that the replay runs at the unprofiled pace, since the profiler slows the host only.
+
+
+@dataclass
+class _Profile:
+    """The profiled steps as the trace gives them; times in microseconds."""
+
+    steps: int
+    host_steps: list[tuple[float, float]]
+    gpu_steps: list[tuple[float, float]]  # empty if some step had no device work
+    calls: list[dict]  # CUDA calls of the threads that launched the steps' work, by time
+    launch_of: dict  # correlation -> the CUDA call that issued it (any thread, any time)
+    device: list[dict]  # kernels, copies and memsets, by start
+    direction: dict  # a copy's correlation -> ("h2d_pageable" | "h2d_pinned" | "d2h", pageable)
+    data_waits: list[tuple[float, float]]  # in next(batches), on the step's thread
+    context: list[dict]  # cpu ops and Python frames: the stacks of the calls
+    host_busy: list[tuple[float, float]]  # when the step's threads ran an op or a Python frame
+
+    @property
+    def host_range(self) -> tuple[float, float]:
+        return self.host_steps[0][0], self.host_steps[-1][1]
+
+
+def _read_profile(trace: dict | list, steps: int) -> _Profile:
+    events = [e for e in _trace_events(trace) if e.get("ph") == "X"]
+
+    def marks(category):
+        return sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                      if e.get("cat") == category and e["name"] == STEP_MARK)
+
+    host_steps, gpu_steps = marks("user_annotation"), marks("gpu_user_annotation")
+    if len(host_steps) != steps:
+        raise ValueError(f"expected {steps} '{STEP_MARK}' spans, found {len(host_steps)}")
+    if len(gpu_steps) != steps:
+        gpu_steps = []  # a step without device work has no mark on the GPU: use the host's
+    main = next((e["pid"], e["tid"]) for e in events
+                if e.get("cat") == "user_annotation" and e["name"] == STEP_MARK)
+    begin, end = host_steps[0][0], host_steps[-1][1]
+    calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    # the threads that launched the steps' work (autograd's too); not a pin-memory thread
+    threads = {(c["pid"], c["tid"]) for c in calls
+               if c["name"] in LAUNCH_CALLS | GRAPH_LAUNCH_CALLS and begin <= c["ts"] <= end}
+    threads.add(main)
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])
+    context = [e for e in events if e.get("cat") in ("cpu_op", "python_function")]
+    direction = {}
+    for e in device:
+        kind = _activity_kind(e["cat"], e["name"])
+        if kind in ("H2D", "D2H"):
+            pageable = "Pageable" in e["name"]
+            key = "d2h" if kind == "D2H" else ("h2d_pageable" if pageable else "h2d_pinned")
+            direction[e.get("args", {}).get("correlation")] = (key, pageable)
+    return _Profile(
+        steps, host_steps, gpu_steps,
+        calls=sorted((c for c in calls if (c["pid"], c["tid"]) in threads
+                      and begin <= c["ts"] <= end), key=lambda c: c["ts"]),
+        launch_of={c["args"]["correlation"]: c for c in calls
+                   if c.get("args", {}).get("correlation") is not None},
+        device=device, direction=direction,
+        data_waits=[(e["ts"], e["ts"] + e["dur"]) for e in events
+                    if e.get("cat") == "user_annotation" and e["name"] == NEXT_MARK
+                    and (e["pid"], e["tid"]) == main],
+        context=context,
+        host_busy=_union((e["ts"], e["ts"] + e["dur"]) for e in context
+                         if (e["pid"], e["tid"]) in threads))
+
+
+def _blocks(call: dict, direction: dict) -> bool:
+    """A synchronisation, or a copy that returns only when done (an async one from or to
+    pageable memory is staged by the host, and blocks too)."""
+    if call["name"] in SYNC_CALLS:
+        return True
+    if call["name"] not in MEMCPY_CALLS:
+        return False
+    _, pageable = direction.get(call.get("args", {}).get("correlation"), (None, False))
+    return pageable or "Async" not in call["name"]
+
+
+#: a blocking copy with no op around it (no stack to read): its kind from its direction
+_COPY_KIND = {"h2d_pageable": "pageable_h2d", "h2d_pinned": "blocking_h2d", "d2h": "blocking_d2h"}
+
+
+def _blocking_causes(profile: _Profile) -> tuple[dict[int, _Blocking], dict]:
+    """Which call of the reader's code each blocking call stands for (by ``id`` of the call),
+    and the cause each copy belongs to (by correlation): a synchronisation inside a ``.to()``
+    waits for that op's copy, and fixing the one fixes the other."""
+    blocking = [c for c in profile.calls if _blocks(c, profile.direction)]
+    issued = [c for c in profile.calls if c["name"] in MEMCPY_CALLS
+              and c.get("args", {}).get("correlation") in profile.direction]
+    stacks = _enclosing(profile.context, blocking + issued)
+    direction_of_op = {id(stacks[len(blocking) + i][-1]):
+                       profile.direction[c["args"]["correlation"]][0]
+                       for i, c in enumerate(issued) if stacks.get(len(blocking) + i)}
+    cause_of_call: dict[int, _Blocking] = {}
+    cause_of_op: dict[int, _Blocking] = {}
+    for index, call in enumerate(blocking):
+        stack = stacks.get(index, [])
+        direction = profile.direction.get(call.get("args", {}).get("correlation"), (None,))[0]
+        if direction is None and stack:
+            direction = direction_of_op.get(id(stack[-1]))
+        cause = _classify(stack, direction)
+        if call["name"] in MEMCPY_CALLS and cause.kind == "explicit_sync":
+            cause = _Blocking(_COPY_KIND.get(direction, "blocking_d2h"), "a copy", cause.where)
+        cause_of_call[id(call)] = cause
+        if stack:
+            cause_of_op[id(stack[-1])] = cause
+    cause_of_copy = {}
+    for i, call in enumerate(issued):
+        stack = stacks.get(len(blocking) + i)
+        cause = cause_of_call.get(id(call)) or (cause_of_op.get(id(stack[-1])) if stack else None)
+        if cause is not None:
+            cause_of_copy[call["args"]["correlation"]] = cause
+    return cause_of_call, cause_of_copy
+
+
+# The step's dependency graph: one host lane of ops, each device op with what it waits for
+
+@dataclass
+class _HostOp:
+    """A span of the host lane: time between CUDA calls ("work"; "data" inside next(batches);
+    "idle" where the trace saw nothing run), a CUDA call ("call"; "launch" for one the trace
+    lacks), or a step's start ("mark")."""
+
+    start_us: float  # as profiled
+    own_us: float  # its own time; for a call that waits, the time it would take if it did not
+    kind: str
+    name: str = ""
+    blocks: bool = False
+    waits_for: int = -1  # the device op whose end it waits for
+    after_us: float = 0.0  # from that end to its return (< 0: a pageable copy returns early)
+    cause: _Blocking | None = None
+    step: int = -1
+
+
+@dataclass
+class _DeviceOp:
+    start_us: float  # as profiled
+    dur_us: float
+    stream: int
+    kind: str  # an Activity kind: "kernel", "H2D", "D2H", "D2D", "memset"
+    nbytes: int = 0
+    pageable: bool = False
+    step: int = -1  # the profiled step whose GPU mark holds it
+    correlation: object = None
+    launch: int = -1  # the host op that launched it (-1: none on the lane)
+    launch_gap_us: float = 0.0  # from that launch's return (a blocking copy: its call) to start
+    blocking_launch: bool = False  # its launch waits for it (a copy that blocks)
+    follows: list[tuple[int, float]] = field(default_factory=list)  # (device op, gap after it)
+    not_before_us: float = float("-inf")  # launched before the steps: starts no earlier
+    position: int = -1  # host op after which the replay can place it (-1: at the start)
+    cause: _Blocking | None = None
+
+
+@dataclass
+class _StepGraph:
+    host: list[_HostOp]
+    device: list[_DeviceOp]
+    origin_us: float  # the first step's start on the host
+    steps: int
+    marks: list[int]  # the host op of each step's start
+    order: list[int]  # device ops in the order the replay places them
+
+    def placed_after(self) -> dict[int, list[int]]:
+        placed: dict[int, list[int]] = collections.defaultdict(list)
+        for d in self.order:
+            placed[self.device[d].position].append(d)
+        return placed
+
+
+def _device_work(profile: _Profile) -> tuple[list[_DeviceOp], list[int]]:
+    """The device ops of the profiled steps (with those still running when the first began),
+    by start, each with the op before it on its stream (-1: none); the profile's events lack
+    stream order only where a hand-made trace has no launches (``launch_of``)."""
+    begin, end = profile.host_range
+    mark_starts = [s for s, _ in profile.gpu_steps]
+    ops, before = [], []
+    last_on: dict[int, int] = {}
+    for e in profile.device:
+        args = e.get("args", {})
+        call = profile.launch_of.get(args.get("correlation"))
+        k = bisect.bisect_right(mark_starts, e["ts"]) - 1
+        step = k if k >= 0 and e["ts"] <= profile.gpu_steps[k][1] else -1
+        launched_in = call is not None and begin <= call["ts"] <= end
+        if e["ts"] + e["dur"] <= begin or (step < 0 and not launched_in and e["ts"] > end):
+            continue  # over before the steps, or after them and none of theirs
+        if call is not None and call["ts"] > end and step < 0:
+            continue
+        kind = _activity_kind(e["cat"], e["name"])
+        stream = int(args.get("stream", e.get("tid", -1)))
+        ops.append(_DeviceOp(e["ts"], e["dur"], stream, kind, args.get("bytes") or 0,
+                             "Pageable" in e["name"], step, args.get("correlation")))
+        before.append(last_on.get(stream, -1))
+        last_on[stream] = len(ops) - 1
+    return ops, before
+
+
+def _unlaunched(profile: _Profile, ops: list[_DeviceOp], before: list[int]) -> dict[int, float]:
+    """Device ops with no launch in the trace that the host must have launched where they began
+    (the GPU sat idle before them): op -> where the host lane places that launch. Those that
+    began right behind the op before them on their stream were queued: their stream starts
+    them. A launch that falls inside a CUDA call is put before the call."""
+    begin, _ = profile.host_range
+    starts = [c["ts"] for c in profile.calls]
+    placed = {}
+    for d, op in enumerate(ops):
+        if op.correlation in profile.launch_of or op.start_us < begin:
+            continue
+        p = before[d]
+        if p >= 0 and op.start_us - (ops[p].start_us + ops[p].dur_us) <= BACK_TO_BACK_US:
+            continue
+        at = op.start_us
+        j = bisect.bisect_right(starts, at) - 1
+        if j >= 0 and profile.calls[j]["ts"] + profile.calls[j]["dur"] > at:
+            at = profile.calls[j]["ts"]
+        placed[d] = at
+    return placed
+
+
 def _subtract(intervals: list[tuple[float, float]], cut: list[tuple[float, float]]):
     """``intervals`` minus the union ``cut`` (both sorted, disjoint)."""
     out = []
@@ -2110,277 +2416,494 @@ def _subtract(intervals: list[tuple[float, float]], cut: list[tuple[float, float
     return out
 
 
-def _owners(gap: tuple[float, float], waits: list[tuple[float, float, object]], before):
-    """Split a GPU idle ``gap`` among the host's ``waits`` (start, end, owner): each owns the
-    gap from its start until the next wait starts, since the host, once it returns, still has
-    to catch up on the launches it could not queue ahead. The time before the first belongs
-    to ``before``: the wait the host is still catching up on, or the host itself."""
-    a, b = gap
-    inside = sorted(((max(s, a), owner) for s, e, owner in waits if s < b and e > a),
-                    key=lambda item: item[0])
-    marks = [(a, before)] + inside
-    for (start, owner), (end, _) in zip(marks, marks[1:] + [(b, None)], strict=True):
-        if end > start:
-            yield start, end, owner
+def _add_work(lane: list[_HostOp], a: float, b: float, data: list[tuple[float, float]],
+              busy: list[tuple[float, float]]) -> None:
+    """The host's time from ``a`` to ``b``, between CUDA calls: a wait for data inside
+    next(batches); else work where the trace saw the thread run an op or a Python frame;
+    else idle (a hand-made trace's empty time, which no fix of the host's shortens)."""
+    if b <= a:
+        return
+    waiting = _intersection([(a, b)], data)
+    working = _intersection(_subtract([(a, b)], data), busy)
+    for kind, us in (("data", waiting), ("work", working), ("idle", b - a - waiting - working)):
+        if us > 1e-9:
+            lane.append(_HostOp(a, us, kind))
+            a += us
 
 
-def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float("nan"),
-                          loader_ms: float = float("nan")) -> CheckupReport:
-    """Read a Chrome trace of ``steps`` steps, each marked with ``record_function(STEP_MARK)``
-    (and the wait for its batch with ``NEXT_MARK``), into a ``CheckupReport``.
+def _host_lane(profile: _Profile, cause_of_call: dict, launches: dict[int, float]):
+    """The host's steps as one lane: each CUDA call of the step's threads, the work between
+    them, a mark where each step begins, and a launch of no time for each op of ``launches``.
+    PyTorch's threads of a step take turns (the main thread waits in backward() while autograd's
+    launches), so one lane in time order holds them. Returns the lane, and the lane index of
+    each call (by ``id``), of each step's mark (by step) and of each added launch (by op)."""
+    begin, end = profile.host_range
+    items = [(s, 0, "mark", k) for k, (s, _) in enumerate(profile.host_steps)]
+    items += [(at, 1, "launch", d) for d, at in launches.items()]
+    items += [(c["ts"], 2, "call", c) for c in profile.calls]
+    items.sort(key=lambda item: item[:2])
+    data = _union(profile.data_waits)
+    starts = [s for s, _ in profile.host_steps]
+    lane: list[_HostOp] = []
+    index: dict = {}
+    cursor = begin
+    for at, _, kind, item in items:
+        _add_work(lane, cursor, at, data, profile.host_busy)
+        cursor = max(cursor, at)
+        step = max(bisect.bisect_right(starts, cursor) - 1, 0)
+        if kind == "call":  # a call that overlaps one before it (two threads) starts after it
+            index[id(item)] = len(lane)
+            lane.append(_HostOp(cursor, max(item["ts"] + item["dur"] - cursor, 0.0), "call",
+                                item["name"], _blocks(item, profile.direction),
+                                cause=cause_of_call.get(id(item)), step=step))
+            cursor = max(cursor, item["ts"] + item["dur"])
+        else:
+            index[(kind, item)] = len(lane)
+            lane.append(_HostOp(cursor, 0.0, kind, step=step))
+    _add_work(lane, cursor, end, data, profile.host_busy)
+    return lane, index
 
-    Each span of GPU idle (no kernel running) between the first and the last step is owned
-    by a cause: a host-to-device or device-to-host copy running in it, else the blocking call
-    or wait for a batch the host was in since the GPU went idle, else the host itself
-    (``host_bound``). With ``step_ms`` (the unprofiled step), idle times are scaled to the
-    unprofiled pace, since the profiler slows the host but not the kernels."""
-    events = [e for e in _trace_events(trace) if e.get("ph") == "X"]
 
-    def spans(category):
-        return sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                      if e.get("cat") == category and e["name"] == STEP_MARK)
+def _link_device_work(ops: list[_DeviceOp], before: list[int], lane: list[_HostOp],
+                      launch_index: dict[int, int], queued: set[int]) -> None:
+    """What each device op waits for: its launch, the op before it on its stream and, if it
+    began well after both allowed it, the op of another stream that ended last before it (an
+    event wait). The one that held it back longest keeps the gap seen after it, the others
+    none, so that a replay of the graph as it is starts it when it started."""
+    ends = sorted((op.start_us + op.dur_us, d) for d, op in enumerate(ops))
+    for d, op in enumerate(ops):
+        i = launch_index.get(d, -1)
+        held: list[tuple[float, object]] = []  # (when it allowed the op to start, by what)
+        if i >= 0:
+            op.launch, op.position = i, i
+            op.blocking_launch = lane[i].blocks and op.kind in ("H2D", "D2H")
+            host = lane[i]
+            held.append((host.start_us + (0.0 if op.blocking_launch else host.own_us), "launch"))
+        elif d in queued:  # no launch in the trace, queued behind the op before it
+            op.position = ops[before[d]].position
+        else:  # launched before the steps, or by a thread off the lane
+            op.not_before_us = op.start_us
+            continue
+        if before[d] >= 0:
+            held.append((ops[before[d]].start_us + ops[before[d]].dur_us, before[d]))
+        allowed = max(t for t, _ in held)
+        if op.start_us - allowed > CROSS_STREAM_US:
+            j = bisect.bisect_right(ends, (op.start_us, float("inf"))) - 1
+            while j >= 0 and ends[j][0] > allowed:
+                x = ops[ends[j][1]]
+                if x.stream != op.stream and (x.position, x.start_us) < (op.position, op.start_us):
+                    held.append(ends[j])
+                    break
+                j -= 1
+        binding = max(held, key=lambda h: h[0])
+        for t, by in held:
+            gap = op.start_us - t if (t, by) == binding else 0.0
+            if by == "launch":
+                op.launch_gap_us = gap
+            else:
+                op.follows.append((by, gap))
 
-    host_steps, gpu_steps = spans("user_annotation"), spans("gpu_user_annotation")
-    if len(host_steps) != steps:
-        raise ValueError(f"expected {steps} '{STEP_MARK}' spans, found {len(host_steps)}")
-    if len(gpu_steps) != steps:
-        gpu_steps = []  # a step without device work has no mark on the GPU: use the host's
-    marks = gpu_steps or host_steps
-    # the steps' period on the GPU: from the first step's start to the last one's
+
+def _link_waits(lane: list[_HostOp], ops: list[_DeviceOp]) -> None:
+    """What each blocking call waits for: a copy that blocks, for its copy; a synchronisation,
+    for the device op launched before it that ended last while it waited (none if none did: it
+    found the work done). Its own time becomes the time from that end to its return."""
+    copy_of = {op.launch: d for d, op in enumerate(ops) if op.blocking_launch}
+    ends = sorted((op.start_us + op.dur_us, d) for d, op in enumerate(ops))
+    for i, host in enumerate(lane):
+        if not host.blocks:
+            continue
+        returned = host.start_us + host.own_us
+        waited = copy_of.get(i, -1)
+        if waited < 0 and host.name in SYNC_CALLS:
+            j = bisect.bisect_right(ends, (returned, float("inf"))) - 1
+            while j >= 0 and ends[j][0] >= host.start_us and waited < 0:
+                if ops[ends[j][1]].position < i:
+                    waited = ends[j][1]
+                j -= 1
+        if waited < 0:
+            continue
+        op = ops[waited]
+        host.waits_for, host.after_us = waited, returned - (op.start_us + op.dur_us)
+        host.own_us = min(host.own_us, max(host.after_us, 0.0))
+
+
+def _step_graph(profile: _Profile, cause_of_call: dict, cause_of_copy: dict) -> _StepGraph:
+    """The steps' dependency graph: the device work, the host lane that launched it (with a
+    launch added where the trace has none), what each device op and each blocking call waits
+    for, and the cause each copy belongs to."""
+    ops, before = _device_work(profile)
+    graph_origin = profile.host_range[0]
+    launches = _unlaunched(profile, ops, before)
+    lane, index = _host_lane(profile, cause_of_call, launches)
+    launch_index = {}
+    for d, op in enumerate(ops):
+        call = profile.launch_of.get(op.correlation)
+        at = index.get(id(call)) if call is not None else index.get(("launch", d))
+        if at is not None:
+            launch_index[d] = at
+    queued = {d for d, op in enumerate(ops) if d not in launches and before[d] >= 0
+              and op.correlation not in profile.launch_of and op.start_us >= graph_origin}
+    _link_device_work(ops, before, lane, launch_index, queued)
+    for op in ops:
+        if op.kind in ("H2D", "D2H"):
+            launched = lane[op.launch].cause if op.launch >= 0 else None
+            op.cause = cause_of_copy.get(op.correlation) or launched
+    _link_waits(lane, ops)
+    order = sorted(range(len(ops)), key=lambda d: (ops[d].position, ops[d].start_us))
+    marks = [index[("mark", k)] for k in range(profile.steps)]
+    return _StepGraph(lane, ops, graph_origin, profile.steps, marks, order)
+
+
+# The replay: a small discrete-event model of the graph
+
+@dataclass
+class _Change:
+    """A fix, as the graph sees it."""
+
+    host_us: dict[int, float] = field(default_factory=dict)  # host op -> its own time
+    device_us: dict[int, float] = field(default_factory=dict)  # device op -> its duration
+    no_wait: set[int] = field(default_factory=set)  # host ops that no longer wait
+    host_scale: float = 1.0  # of every host op's own time but the waits for data
+
+    def __or__(self, other: _Change) -> _Change:
+        return _Change({**self.host_us, **other.host_us}, {**self.device_us, **other.device_us},
+                       self.no_wait | other.no_wait, self.host_scale * other.host_scale)
+
+
+def _replay(graph: _StepGraph, change: _Change | None = None):
+    """Host and device start times with ``change`` made. The host lane runs its ops one after
+    the other: each takes its own time, or, if it waits, lasts until the device op it waits for
+    has ended (and its return after that). A device op starts once its launch has returned
+    (plus the gap seen after it, never before the launch began) and the ops it follows have
+    ended (plus theirs). Not modelled: contention (two streams' kernels, or copies in one
+    direction, share the GPU as if they did not), the host's own threads beyond one lane, and
+    any change in a kernel's duration. Returns (host starts, device starts, device ends)."""
+    change = change or _Change()
+    host, device = graph.host, graph.device
+    own = [change.host_us.get(i, op.own_us)
+           * (1.0 if op.kind in ("data", "idle") else change.host_scale)
+           for i, op in enumerate(host)]
+    duration = [change.device_us.get(d, op.dur_us) for d, op in enumerate(device)]
+    host_start, dev_start, dev_end = [0.0] * len(host), [0.0] * len(device), [0.0] * len(device)
+
+    def place(d):
+        op = device[d]
+        ready = op.not_before_us
+        if op.launch >= 0:
+            began = host_start[op.launch]
+            returned = began + (0.0 if op.blocking_launch else own[op.launch])
+            ready = max(ready, began, returned + op.launch_gap_us)
+        for p, gap in op.follows:
+            ready = max(ready, dev_end[p] + gap)
+        dev_start[d], dev_end[d] = ready, ready + duration[d]
+
+    placed = graph.placed_after()
+    for d in placed.get(-1, ()):
+        place(d)
+    t = graph.origin_us
+    for i, op in enumerate(host):
+        host_start[i] = t
+        for d in placed.get(i, ()):
+            place(d)
+        end = t + own[i]
+        if op.waits_for >= 0 and i not in change.no_wait:
+            end = max(end, dev_end[op.waits_for] + op.after_us)
+        t = end
+    return host_start, dev_start, dev_end
+
+
+def _period_us(graph: _StepGraph, host_start, dev_start, dev_end) -> float:
+    """A step's period: from the end of the first step's device work to the end of the last
+    one's, over the steps between (ends, not starts: a fix may move a step's first op, on a
+    side stream, ahead of the rest); on the host's marks if some step has no device work; one
+    step alone, from its first device op's start to its last one's end."""
+    lasts = [float("-inf")] * graph.steps
+    first = float("inf")
+    for d, op in enumerate(graph.device):
+        if op.step >= 0:
+            lasts[op.step] = max(lasts[op.step], dev_end[d])
+            first = min(first, dev_start[d]) if op.step == 0 else first
+    if float("-inf") in lasts:
+        marks = [host_start[m] for m in graph.marks] + [host_start[-1]]
+        return (marks[-2] - marks[0]) / (graph.steps - 1) if graph.steps > 1 else marks[-1]
+    if graph.steps > 1:
+        return (lasts[-1] - lasts[0]) / (graph.steps - 1)
+    return lasts[0] - first
+
+
+def _profiled_period(graph: _StepGraph) -> float:
+    """``_period_us`` of the steps as they ran."""
+    return _period_us(graph, [op.start_us for op in graph.host],
+                      [op.start_us for op in graph.device],
+                      [op.start_us + op.dur_us for op in graph.device])
+
+
+def _replay_period(graph: _StepGraph, change: _Change | None = None) -> float:
+    return _period_us(graph, *_replay(graph, change))
+
+
+def _calibrate(graph: _StepGraph, step_us: float) -> float:
+    """The scale of host time at which the replay runs at ``step_us`` a step (the unprofiled
+    pace): the profiler slows the host (its bookkeeping, Python stacks) but not the GPU. 1 when
+    the unprofiled step is no faster than the profiled one (the replay cannot explain more)."""
+    if step_us != step_us or _replay_period(graph) <= step_us:
+        return 1.0
+    if _replay_period(graph, _Change(host_scale=0.0)) >= step_us:
+        return 0.0
+    low, high = 0.0, 1.0
+    for _ in range(24):  # the period grows with the host's time: halve the interval
+        middle = (low + high) / 2
+        if _replay_period(graph, _Change(host_scale=middle)) > step_us:
+            high = middle
+        else:
+            low = middle
+    return (low + high) / 2
+
+
+# Each cause's fix, and what the replay says it saves
+
+def _cause_key(cause: _Blocking) -> tuple[str, str, str]:
+    return cause.kind, cause.label, cause.where
+
+
+def _launch_us(graph: _StepGraph) -> float:
+    """What a launch costs the host in this trace: its median launch call."""
+    times = [op.own_us for op in graph.host if op.name in LAUNCH_CALLS]
+    return statistics.median(times) if times else LAUNCH_US
+
+
+def _link_rate(graph: _StepGraph, link_gbps: float) -> float:
+    """Bytes per microsecond of a pinned host-to-device copy: measured on those in the trace."""
+    pinned = [op for op in graph.device
+              if op.kind == "H2D" and not op.pageable and op.nbytes and op.dur_us > 0]
+    if pinned:
+        return sum(op.nbytes for op in pinned) / sum(op.dur_us for op in pinned)
+    return link_gbps * 1e3
+
+
+def _fixes(graph: _StepGraph, launch_us: float, bytes_per_us: float) -> dict[tuple, _Change]:
+    """Each cause's fix as a change of the graph, by (kind, label, where):
+    a synchronisation no longer waits and takes no time (the call is gone); a copy that blocks
+    is launched instead (a launch's host time, no wait) and, from pageable memory, runs at the
+    pinned rate; a constant copied in the step (torch.tensor) is made once: no copy at all;
+    ``copy_exposed``: pinned copies that did not block take no device time in the step (a
+    prefetch runs them on a side stream under the step before); ``data_wait``: the batch is
+    there, no wait in next(batches); ``host_bound``: every host op's own time (the waits for
+    data aside) scaled to 0. Scaling all of it, not just the launch calls, since the host's cost
+    of a kernel is mostly Python and the dispatcher around its launch, which a CUDA graph or
+    torch.compile removes with it: how fast the step would be if the GPU never waited for
+    Python."""
+    fixes: dict[tuple, _Change] = collections.defaultdict(_Change)
+    for i, op in enumerate(graph.host):
+        if op.cause is not None and op.blocks:
+            fix = fixes[_cause_key(op.cause)]
+            fix.no_wait.add(i)
+            launched = op.name in MEMCPY_CALLS and op.cause.kind != "constant_h2d"
+            fix.host_us[i] = launch_us if launched else 0.0
+    for d, op in enumerate(graph.device):
+        if op.cause is None or op.kind != "H2D":
+            continue
+        if op.cause.kind == "constant_h2d":
+            fixes[_cause_key(op.cause)].device_us[d] = 0.0
+        elif op.cause.kind == "pageable_h2d" and op.pageable and op.nbytes:
+            fixes[_cause_key(op.cause)].device_us[d] = op.nbytes / bytes_per_us
+    fixes[("copy_exposed", "", "")] = _Change(device_us={
+        d: 0.0 for d, op in enumerate(graph.device)
+        if op.kind == "H2D" and not op.pageable and not op.blocking_launch})
+    fixes[("data_wait", "", "")] = _Change(host_us={
+        i: 0.0 for i, op in enumerate(graph.host) if op.kind == "data"})
+    fixes[("host_bound", "", "")] = _Change(host_scale=0.0)
+    return dict(fixes)
+
+
+def _savings(graph: _StepGraph, fixes: dict[tuple, _Change], scale: float) -> dict[tuple, float]:
+    """Per cause, the step time (us) the replay saves without it, host time at ``scale``."""
+    paced = _Change(host_scale=scale)
+    base = _replay_period(graph, paced)
+    return {key: base - _replay_period(graph, fix | paced) for key, fix in fixes.items()}
+
+
+def _launch_evidence(graph: _StepGraph) -> tuple[float, float, float, float]:
+    """The signs Holistic Trace Analysis reads for a step bound by its launches ("CUDA kernel
+    launch statistics", "queue length"): the share of kernels shorter than their launch call,
+    the mean number of kernels launched and not yet begun; and, per step as profiled, the host's
+    time outside waits and the device's time (kernels and copies, overlaps once). A graph's
+    kernels share one launch call, so only kernels launched one by one count for the first two
+    (none: not a number)."""
+    kernels = [op for op in graph.device if op.kind == "kernel" and op.launch >= 0
+               and graph.host[op.launch].name in LAUNCH_CALLS]
+    short = (sum(op.dur_us < graph.host[op.launch].own_us for op in kernels) / len(kernels)
+             if kernels else float("nan"))
+    queued = sum(max(op.start_us - graph.host[op.launch].start_us
+                     - graph.host[op.launch].own_us, 0.0) for op in kernels)
+    ran = [(op.start_us, op.start_us + op.dur_us) for op in graph.device
+           if op.step >= 0 or op.not_before_us == float("-inf")]
+    span = max([e for _, e in ran] + [graph.host[-1].start_us + graph.host[-1].own_us])
+    queue = queued / (span - graph.origin_us) if span > graph.origin_us else 0.0
+    host_us = sum(op.own_us for op in graph.host if op.kind not in ("data", "idle")) / graph.steps
+    return short, queue, host_us, _length(_union(ran)) / graph.steps
+
+
+def _calls_per_cause(graph: _StepGraph) -> dict[tuple, tuple[float, int]]:
+    """Per cause, its blocking calls per step (its synchronisations if it has any) and the
+    number of steps it was seen in."""
+    syncs, copies = collections.Counter(), collections.Counter()
+    steps: dict[tuple, set] = collections.defaultdict(set)
+    for op in graph.host:
+        if op.cause is not None and op.blocks:
+            key = _cause_key(op.cause)
+            (syncs if op.name in SYNC_CALLS else copies)[key] += 1
+            steps[key].add(op.step)
+    return {key: ((syncs[key] or copies[key]) / graph.steps, len(seen))
+            for key, seen in steps.items()}
+
+
+# Findings: what the trace measured, and what the replay says each cause costs
+
+def _measured(profile: _Profile, cause_of_call: dict, step_ms: float, loader_ms: float,
+              trace: dict | list) -> CheckupReport:
+    """The report's measured part: copies, synchronisations and waits per step, the profiled
+    period, and how busy the GPU's kernels kept it."""
+    steps = profile.steps
+    marks = profile.gpu_steps or profile.host_steps
     periods = max(steps - 1, 1)
     window = (marks[0][0], marks[-1][0] if steps > 1 else marks[0][1])
-    host_range = (host_steps[0][0], host_steps[-1][1])
-    main = next((e["pid"], e["tid"]) for e in events
-                if e.get("cat") == "user_annotation" and e["name"] == STEP_MARK)
-
-    calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
-    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    step_threads = {(c["pid"], c["tid"]) for c in calls if c["name"] in LAUNCH_CALLS
-                    and host_range[0] <= c["ts"] <= host_range[1]} | {main}
-
-    # copies: direction, and pinned or pageable host side
-    direction_of: dict = {}
+    begin = profile.host_range[0]
     totals = collections.defaultdict(lambda: [0, 0])
-    busy, copies = [], []
-    for e in device:
+    busy = []
+    for e in profile.device:
         kind = _activity_kind(e["cat"], e["name"])
-        interval = (e["ts"], e["ts"] + e["dur"])
         if kind not in ("H2D", "D2H"):
-            busy.append(interval)  # kernels, memsets, device-to-device copies
-            continue
-        pageable = "Pageable" in e["name"]
-        key = "d2h" if kind == "D2H" else ("h2d_pageable" if pageable else "h2d_pinned")
-        correlation = e.get("args", {}).get("correlation")
-        direction_of[correlation] = (key, pageable)
-        copies.append((interval, key, correlation))
-        if e["ts"] >= host_range[0]:
+            busy.append((e["ts"], e["ts"] + e["dur"]))  # kernels, memsets, device copies
+        elif e["ts"] >= begin:
+            key = profile.direction[e.get("args", {}).get("correlation")][0]
             totals[key][0] += 1
             totals[key][1] += e.get("args", {}).get("bytes", 0) or 0
-
-    def blocks(call):  # a synchronisation, or a copy that returns only when done
-        if call["name"] in SYNC_CALLS:
-            return True
-        if call["name"] not in MEMCPY_CALLS:
-            return False
-        _, pageable = direction_of.get(call.get("args", {}).get("correlation"), (None, False))
-        return pageable or "Async" not in call["name"]
-
-    # what the host waited in, on every thread that launched the steps' work
-    context = [e for e in events if e.get("cat") in ("cpu_op", "python_function")]
-    blocking = sorted((c for c in calls if (c["pid"], c["tid"]) in step_threads
-                       and host_range[0] <= c["ts"] <= host_range[1] and blocks(c)),
-                      key=lambda c: c["ts"])
-    issued = [c for c in calls if c["name"] in MEMCPY_CALLS
-              and c.get("args", {}).get("correlation") in direction_of]
-    stacks = _enclosing(context, blocking + issued)
-    # a synchronisation inside a copy op (a blocking .to()) waits for that op's copy
-    direction_of_op = {id(stacks[len(blocking) + i][-1]):
-                       direction_of[c["args"]["correlation"]][0]
-                       for i, c in enumerate(issued) if stacks.get(len(blocking) + i)}
-    cause_of_correlation: dict = {}
-    waits: list[tuple[float, float, object]] = []
-    syncs: collections.Counter = collections.Counter()
-    sync_count: collections.Counter = collections.Counter()  # per cause
-    copy_count: collections.Counter = collections.Counter()
-    wait_us = 0.0
-    cause_of_op: dict[int, _Blocking] = {}
-    for index, call in enumerate(blocking):
-        correlation = call.get("args", {}).get("correlation")
-        direction = direction_of.get(correlation, (None, False))[0]
-        if direction is None and stacks.get(index):
-            direction = direction_of_op.get(id(stacks[index][-1]))
-        cause = _classify(stacks.get(index, []), direction)
-        cause_of_correlation[correlation] = cause
-        if stacks.get(index):
-            cause_of_op[id(stacks[index][-1])] = cause
-        waits.append((call["ts"], call["ts"] + call["dur"], call["name"] in SYNC_CALLS, cause))
-        if call["name"] in SYNC_CALLS:
-            syncs[cause.kind] += 1
-            sync_count[cause] += 1
-        else:
-            copy_count[cause] += 1
-        wait_us += call["dur"]
-    data_waits = [(e["ts"], e["ts"] + e["dur"]) for e in events
-                  if e.get("cat") == "user_annotation" and e["name"] == NEXT_MARK
-                  and (e["pid"], e["tid"]) == main]
-    data_cause = _Blocking("data_wait", "next(batches)", "")
-    waits += [(s, e, False, data_cause) for s, e in data_waits]
-    for i, call in enumerate(issued):  # a copy the host waited for is its wait's
-        stack = stacks.get(len(blocking) + i)
-        if stack and id(stack[-1]) in cause_of_op:
-            cause_of_correlation.setdefault(call["args"]["correlation"], cause_of_op[id(stack[-1])])
-
-    # GPU idle in the window, and who owns each part of it
-    kernel_union = _union(busy)
-    busy_us = _intersection(kernel_union, [window])
-    idle = _subtract([window], kernel_union)
-
-    def gpu_busy_at(t):
-        index = bisect.bisect_right(kernel_union, (t, float("inf"))) - 1
-        return index >= 0 and kernel_union[index][1] > t
-
-    # A gap whose next work was launched before the gap began (a bubble between queued
-    # kernels, a wait on another stream) is no host wait's fault. The host is ahead again once
-    # the GPU finds work queued well before it needs it: a kernel that starts QUEUED_US after
-    # its launch, or a gap whose next work was launched that long before.
-    launched = {c.get("args", {}).get("correlation"): c["ts"] + c["dur"] for c in calls}
-    launch_of_start: dict[float, float] = {}
-    for e in device:
-        if _activity_kind(e["cat"], e["name"]) not in ("H2D", "D2H"):
-            at = launched.get(e.get("args", {}).get("correlation"), e["ts"])
-            launch_of_start[e["ts"]] = min(at, launch_of_start.get(e["ts"], at))
-    queued = {gap for gap in idle if launch_of_start.get(gap[1], gap[1]) <= gap[0]}
-    bubbles = _subtract(sorted(queued), _union(span for span, _, _ in copies))
-    # (a kernel queued behind a copy, on a side stream, says nothing about the host: only one
-    # queued behind other kernels does)
-    ahead = sorted([e["ts"] for e in device if e["cat"] == "kernel"
-                    and e["ts"] - launched.get(e.get("args", {}).get("correlation"), e["ts"])
-                    > QUEUED_US and gpu_busy_at(e["ts"] - QUEUED_US / 10)]
-                   + [a for a, b in queued if launch_of_start[b] <= a - QUEUED_US])
-
-    # A synchronisation costs only if it waited for work that was running: begun with the GPU
-    # busy, and blocking long enough to have waited (a completed event returns at once). A wait
-    # for a batch costs only if the GPU ran out of work during it.
-    host_idle = [gap for gap in idle if gap not in queued]
-    waits = [(s, e, owner) for s, e, is_sync, owner in waits
-             if (owner.kind == "data_wait" and _intersection(host_idle, [(s, e)]) > 0)
-             or (owner.kind != "data_wait" and not is_sync)
-             or (is_sync and e - s >= MIN_WAIT_US and gpu_busy_at(s))]
-    by_end = sorted(waits, key=lambda w: w[1])
-    ends = [w[1] for w in by_end]
-
-    def catching_up_on(t):
-        index = bisect.bisect_right(ends, t) - 1
-        if index < 0:
-            return "host_bound"
-        returned = by_end[index][1]
-        if bisect.bisect_right(ahead, t) > bisect.bisect_right(ahead, returned):
-            return "host_bound"
-        return by_end[index][2]
-
-    owned: dict[_Blocking | str, float] = collections.defaultdict(float)
-    owned_steps: dict[_Blocking | str, collections.Counter] = collections.defaultdict(
-        collections.Counter)  # owner -> step -> idle time it owns there
-
-    def step_of(t):
-        return max(0, bisect.bisect_right([s for s, _ in marks], t) - 1)
-
-    copy_spans = sorted(copies)
-    for gap in idle:
-        rest = [gap]
-        for (s, e), key, correlation in copy_spans:
-            if e <= gap[0] or s >= gap[1]:
-                continue
-            part = _intersection(rest, [(s, e)])
-            if part <= 0:
-                continue
-            owner = cause_of_correlation.get(correlation) or (
-                "pageable_h2d" if key == "h2d_pageable" else "copy_exposed")
-            owned[owner] += part
-            owned_steps[owner][step_of(s)] += part
-            rest = _subtract(rest, [(s, e)])
-        if gap in queued:  # what the copies leave of it, nobody on the host is to blame for
-            continue
-        for part in rest:
-            for start, end, owner in _owners(part, waits, catching_up_on(part[0])):
-                owned[owner] += end - start
-                owned_steps[owner][step_of(start)] += end - start
-
+    blocking = [c for c in profile.calls if id(c) in cause_of_call]
+    syncs = collections.Counter(cause_of_call[id(c)].kind for c in blocking
+                                if c["name"] in SYNC_CALLS)
     period_us = (window[1] - window[0]) / periods
-    busy_per_step = busy_us / periods
-    queued_per_step = (busy_us + _length(bubbles)) / periods  # the GPU never waited on the host
-    scale = 1.0
-    if step_ms == step_ms:  # idle at the unprofiled pace: the profiler slows the host only
-        unprofiled_idle = max(step_ms * 1e3 - queued_per_step, 0.0)
-        scale = (unprofiled_idle / (period_us - queued_per_step)
-                 if period_us > queued_per_step else 0.0)
     reference_ms = step_ms if step_ms == step_ms else period_us / 1e3
-
-    def kind_of(owner):
-        return owner if isinstance(owner, str) else owner.kind
-
-    idle_ms: dict[str, float] = collections.defaultdict(float)
-    for owner, us in owned.items():
-        idle_ms[kind_of(owner)] += us / periods / 1e3 * scale
+    busy_ms = _intersection(_union(busy), [window]) / periods / 1e3
     report = CheckupReport(
         steps=steps, step_ms=step_ms, profiled_step_ms=period_us / 1e3,
-        gpu_busy=min(busy_per_step / 1e3 / reference_ms, 1.0) if reference_ms else 0.0,
+        gpu_busy=min(busy_ms / reference_ms, 1.0) if reference_ms else 0.0,
         h2d_pageable=tuple(v / steps for v in totals["h2d_pageable"]),
         h2d_pinned=tuple(v / steps for v in totals["h2d_pinned"]),
         d2h=tuple(v / steps for v in totals["d2h"]),
         syncs={kind: n / steps for kind, n in syncs.items()},
-        host_wait_ms=wait_us / steps / 1e3,
-        data_wait_ms=_length(_union(data_waits)) / steps / 1e3,
-        idle_ms={k: round(v, 6) for k, v in idle_ms.items() if v >= 5e-4},
-        loader_ms=loader_ms,
+        host_wait_ms=sum(c["dur"] for c in blocking) / steps / 1e3,
+        data_wait_ms=_length(_union(profile.data_waits)) / steps / 1e3,
+        savings_ms={}, loader_ms=loader_ms,
+        profiled_periods_ms=[(marks[k + 1][0] - marks[k][0]) / 1e3 for k in range(steps - 1)],
         activities=[a for a in parse_chrome_trace(trace)
-                    if not a.name.startswith("ProfilerStep#")],
-    )
+                    if not a.name.startswith("ProfilerStep#")])
     origin = _trace_origin(trace)
-    report.host_steps = [(s - origin, e - origin) for s, e in host_steps]
-    report.gpu_steps = [(s - origin, e - origin) for s, e in gpu_steps]
-
-    # one finding per cause (kind, what was called, where), costliest first
-    grouped: dict[tuple, list] = collections.defaultdict(lambda: [0.0, collections.Counter()])
-    for owner, us in owned.items():
-        key = (owner, "", "") if isinstance(owner, str) else (owner.kind, owner.label, owner.where)
-        grouped[key][0] += us / periods / 1e3 * scale
-        grouped[key][1].update(owned_steps[owner])
-    counts: collections.Counter = collections.Counter()
-    for cause in set(sync_count) | set(copy_count):
-        counts[(cause.kind, cause.label, cause.where)] += sync_count[cause] or copy_count[cause]
-    for key, (cost_ms, by_step) in grouped.items():
-        kind, label, where = key
-        share = cost_ms / reference_ms if reference_ms else 0.0
-        if kind in _SHARES:  # no call to blame: a finding past a share, one odd step aside
-            per_step = sorted(by_step.get(k, 0.0) for k in range(periods))
-            typical = sum(per_step[:-1]) / max(periods - 1, 1) if periods > 2 else cost_ms
-            if typical * (scale / 1e3 if periods > 2 else 1) < _SHARES[kind] * reference_ms:
-                continue
-        elif len(by_step) < PER_STEP * periods or cost_ms <= 0:
-            continue
-        advice, notebooks = ADVICE[kind]
-        report.findings.append(Finding(kind, _seen(kind, label, where, counts[key] / steps,
-                                                   report, share), cost_ms, advice, notebooks))
-    report.findings.sort(key=lambda f: -f.cost_ms)
+    report.host_steps = [(s - origin, e - origin) for s, e in profile.host_steps]
+    report.gpu_steps = [(s - origin, e - origin) for s, e in profile.gpu_steps]
     return report
 
 
-def _seen(kind, label, where, per_step, report, share) -> str:
-    idle = f"the GPU idles {share:.0%} of the step"
+def _findings(report: CheckupReport, per_cause: dict, savings_us: dict, reference_ms: float):
+    """A finding per cause seen in at least every other step whose fix saves at least
+    MIN_SAVING_SHARE of the step and MIN_SAVING_MS; ``host_bound`` only where the host's time
+    outside waits is at least the GPU's (the host cannot keep ahead), and then first, since
+    every other fix then saves only the host time it takes away. Returns the findings and the
+    causes seen in every other step that save too little (candidates for ``latent``)."""
+    floor = max(MIN_SAVING_SHARE * reference_ms, MIN_SAVING_MS)
+    findings, small = [], []
+    for key, us in savings_us.items():
+        kind, label, where = key
+        calls, seen = per_cause.get(key, (0.0, report.steps))
+        if seen < PER_STEP * report.steps:
+            continue
+        if kind == "host_bound" and not report.host_busy_ms >= report.gpu_work_ms:
+            continue
+        if us / 1e3 < floor or us <= 0:
+            if key in per_cause:
+                small.append(key)
+            continue
+        advice, notebooks = ADVICE[kind]
+        findings.append(Finding(kind, _seen(kind, label, where, calls, report), us / 1e3,
+                                advice, notebooks, reference_ms - us / 1e3))
+    findings.sort(key=lambda f: (f.kind != "host_bound", -f.cost_ms))
+    return findings, small
+
+
+def _latent(report: CheckupReport, graph: _StepGraph, fixes: dict, keys: list, scale: float,
+            per_cause: dict, savings_us: dict, reference_ms: float) -> list[Latent]:
+    """The causes that cost too little now to be findings but would cost once the host keeps
+    ahead: the replay with the host's time outside waits scaled to HOST_AHEAD of the GPU's,
+    with each fix and without. (With no host time at all a synchronisation would cost only its
+    return: the price is taken where the host has just stopped being the bottleneck.)"""
+    host_us, gpu_us = report.host_busy_ms * 1e3, report.gpu_work_ms * 1e3
+    ahead = scale * min(1.0, HOST_AHEAD * gpu_us / host_us) if host_us > 0 else scale
+    floor = MIN_SAVING_MS  # the step it would be part of is shorter than this one
+    later = _savings(graph, {key: fixes[key] for key in keys}, ahead)
+    found = []
+    for key in keys:
+        if later[key] / 1e3 < floor:
+            continue  # free now and later: a wait on an event recorded steps ago, say
+        kind, label, where = key
+        advice, notebooks = ADVICE[kind]
+        found.append(Latent(kind, _seen(kind, label, where, per_cause[key][0], report),
+                            max(savings_us[key], 0.0) / 1e3, later[key] / 1e3, advice,
+                            notebooks))
+    return sorted(found, key=lambda f: -f.later_ms)
+
+
+def _seen(kind, label, where, per_step, report) -> str:
     if kind == "copy_exposed":
-        return f"pinned H2D copies run with no kernel beside them: {idle}"
-    if kind == "pageable_h2d" and not label:
-        n, nbytes = report.h2d_pageable
-        return f"{n:.3g} copies ({format_bytes(nbytes)}) from pageable memory: {idle}"
+        n, nbytes = report.h2d_pinned
+        return (f"{n:.3g} pinned H2D copies ({format_bytes(nbytes)}) a step with no kernel "
+                f"beside them")
     if kind == "data_wait":
         source = (f"; the batch source alone takes {report.loader_ms:.3g} ms a batch"
                   if report.loader_ms == report.loader_ms else "")
-        return f"the host waits for the next batch while {idle}{source}"
+        return f"the host waits {report.data_wait_ms:.3g} ms a step for the next batch{source}"
     if kind == "host_bound":
-        return (f"no copy or wait to blame while {idle}: the host launches work slower "
-                f"than the GPU runs it")
-    return f"{label} {where}, {per_step:.3g} a step, blocks the host: {idle}"
+        return (f"the host is busy {report.host_busy_ms:.3g} ms a step outside waits, the GPU "
+                f"{report.gpu_work_ms:.3g} ms; {report.short_kernels:.0%} of kernels are "
+                f"shorter than their launch, {report.launch_queue:.2g} wait queued on average")
+    return f"{label} {where}, {per_step:.3g} a step, blocks the host"
+
+
+def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float("nan"),
+                          loader_ms: float = float("nan"), *,
+                          link_gbps: float = LINK_GBPS) -> CheckupReport:
+    """Read a Chrome trace of ``steps`` steps, each marked with ``record_function(STEP_MARK)``
+    (and the wait for its batch with ``NEXT_MARK``), into a ``CheckupReport``.
+
+    The trace becomes a dependency graph of the steps (host lane, device ops, launches, waits)
+    that a replay runs as it ran (``replay_fidelity``: its step over the profiled one) and with
+    each cause removed: a cause's cost is the step time that saves. With ``step_ms`` (the
+    unprofiled step) the host's time is scaled so that the replay runs at that pace, since the
+    profiler slows the host but not the kernels. ``link_gbps``: the pinned copy rate to assume
+    when the trace has no pinned copy to measure it by."""
+    profile = _read_profile(trace, steps)
+    cause_of_call, cause_of_copy = _blocking_causes(profile)
+    graph = _step_graph(profile, cause_of_call, cause_of_copy)
+    report = _measured(profile, cause_of_call, step_ms, loader_ms, trace)
+    if _profiled_period(graph) > 0:
+        report.replay_fidelity = _replay_period(graph) / _profiled_period(graph)
+    scale = _calibrate(graph, step_ms * 1e3)
+    report.replay_step_ms = _replay_period(graph, _Change(host_scale=scale)) / 1e3
+    short, queue, host_us, device_us = _launch_evidence(graph)
+    report.short_kernels, report.launch_queue = short, queue
+    report.host_busy_ms, report.gpu_work_ms = host_us * scale / 1e3, device_us / 1e3
+    fixes = _fixes(graph, _launch_us(graph), _link_rate(graph, link_gbps))
+    savings = _savings(graph, fixes, scale)
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    for (kind, _, _), us in savings.items():
+        by_kind[kind] += max(us, 0.0) / 1e3
+    report.savings_ms = {kind: round(ms, 6) for kind, ms in by_kind.items() if ms >= 5e-4}
+    reference_ms = step_ms if step_ms == step_ms else report.profiled_step_ms
+    per_cause = _calls_per_cause(graph)
+    report.findings, small = _findings(report, per_cause, savings, reference_ms)
+    report.latent = _latent(report, graph, fixes, small, scale, per_cause, savings,
+                            reference_ms)
+    return report
 
 
 def _trace_origin(trace: dict | list) -> float:
@@ -2405,20 +2928,89 @@ def checkup_batches(workers: int = 0, prefetch_factor: int = 2, *, steps: int = 
     return (warmup + workers * prefetch_factor + loader_batches + timed_steps + 1 + steps)
 
 
+def _host_allocs() -> float:
+    """Pinned blocks the caching host allocator has made so far (nan where it cannot say)."""
+    try:
+        return float(torch.cuda.host_memory_stats().get("num_host_alloc", float("nan")))
+    except (AttributeError, RuntimeError):
+        return float("nan")
+
+
+def _warm_up(one_step: Callable[[], None], steps: int, more: int) -> None:
+    """``steps`` steps, then up to ``more`` while the caching host allocator still pins new
+    blocks (a host running ahead of the GPU needs more pinned buffers in flight)."""
+    for _ in range(steps):
+        one_step()
+    for _ in range(more):
+        before = _host_allocs()
+        one_step()
+        if not _host_allocs() > before:
+            break
+
+
+def _loader_ms(take: Callable[[], object], ready: int, batches: int) -> float:
+    """The batch source's own pace, per batch. Its workers filled their queue (``ready``
+    batches) while the first steps were slow (start-up, autotuning): those are taken first, so
+    that the timed steps start with an empty queue, as in the rest of an epoch."""
+    for _ in range(ready):
+        take()
+    began = time.perf_counter()
+    for _ in range(batches):
+        take()
+    return (time.perf_counter() - began) * 1e3 / max(batches, 1)
+
+
+def _timed_ms(one_step: Callable[[], None], timed_steps: int) -> tuple[float, float]:
+    """The unprofiled step time, and the pinned blocks the host allocator made meanwhile (a
+    host that runs ahead may have new buffers pinned in the timed steps: not yet steady)."""
+    torch.cuda.synchronize()
+    allocs = _host_allocs()
+    began = time.perf_counter()
+    for _ in range(timed_steps):
+        one_step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - began) * 1e3 / max(timed_steps, 1), _host_allocs() - allocs
+
+
+def _profiled_trace(one_step: Callable[[], None], steps: int) -> dict:
+    """The Chrome trace of ``steps`` steps (CPU and CUDA activity, Python stacks), after one
+    more under the profiler that absorbs its set-up cost."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    traces = []
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+        path = Path(tmp) / "trace.json"
+
+        def keep(prof):
+            prof.export_chrome_trace(str(path))
+            traces.append(json.loads(path.read_text()))
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                     with_stack=True, schedule=schedule(wait=0, warmup=1, active=steps),
+                     on_trace_ready=keep) as prof:
+            for _ in range(1 + steps):
+                one_step()
+                prof.step()
+    torch.cuda.synchronize()
+    return traces[0]
+
+
 def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
             timed_steps: int = 20, warmup: int = 5, loader_batches: int = 10) -> CheckupReport:
     """Time and profile a training step, and say what it spends on moving data.
 
     ``step(batch)`` is called with batches from ``batches`` (``step()`` if there are none):
-    ``warmup`` steps; then, from a DataLoader, the batches its workers may hold ready are taken
-    and dropped, and ``loader_batches`` are taken alone to time the source by itself; then
+    ``warmup`` steps (without batches, up to ``warmup`` more while the caching host allocator
+    still pins new blocks); then, from a DataLoader, the batches its workers may hold ready are
+    taken and dropped, and ``loader_batches`` are taken alone to time the source by itself; then
     ``timed_steps`` are timed on the host clock, and one more and ``steps`` run under the
     profiler (with Python stacks). ``checkup_batches`` says how many batches that is. The wait
     for each batch counts as part of its step. Returns a ``CheckupReport``: print it for a
-    table and the findings, costliest first, each with what to change and the notebook that
-    measures why.
+    table, the findings (costliest first, each with what to change, the step time predicted
+    without it and the notebook that measures why) and the latent ones.
     """
-    from torch.profiler import ProfilerActivity, profile, record_function, schedule
+    from torch.profiler import record_function
 
     require_cuda()
     source = iter(batches) if batches is not None else None
@@ -2444,49 +3036,21 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
                 batch = take()
             step(batch)
 
-    traces = []
     loader_ms = float("nan")
     try:
-        for _ in range(warmup):
-            one_step()
+        _warm_up(one_step, warmup, warmup if batches is None else 0)
         if batches is not None:
-            # The workers filled their queue while the first steps were slow (start-up,
-            # autotuning): take those batches, then time the source alone. The timed steps
-            # then start with an empty queue, as in the rest of an epoch.
-            for _ in range(_buffered_batches(batches)):
-                take()
-            began = time.perf_counter()
-            for _ in range(loader_batches):
-                take()
-            loader_ms = (time.perf_counter() - began) * 1e3 / max(loader_batches, 1)
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        for _ in range(timed_steps):
-            one_step()
-        torch.cuda.synchronize()
-        step_ms = (time.perf_counter() - began) * 1e3 / max(timed_steps, 1)
-        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
-            path = Path(tmp) / "trace.json"
-
-            def keep(prof):
-                prof.export_chrome_trace(str(path))
-                traces.append(json.loads(path.read_text()))
-
-            # one step under the profiler before the recorded ones absorbs its set-up cost
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                         with_stack=True, schedule=schedule(wait=0, warmup=1, active=steps),
-                         on_trace_ready=keep) as prof:
-                for _ in range(1 + steps):
-                    one_step()
-                    prof.step()
-        torch.cuda.synchronize()
+            loader_ms = _loader_ms(take, _buffered_batches(batches), loader_batches)
+        step_ms, allocs = _timed_ms(one_step, timed_steps)
+        trace = _profiled_trace(one_step, steps)
     finally:
         close = getattr(source, "close", None)  # a generator: let its loader shut down now
         if close is not None:
             close()
         source = None  # a DataLoader iterator shuts its workers down when it is dropped
-    return analyze_checkup_trace(traces[0], steps, step_ms, loader_ms)
+    report = analyze_checkup_trace(trace, steps, step_ms, loader_ms)
+    report.host_allocs_timed = allocs
+    return report
 
 
 # --------------------------------------------------------------------------------------------
@@ -3304,3 +3868,109 @@ class CheckpointLoader:
         """Stop the reading threads (the buffers go when the loader does)."""
         if self._pool is not None:
             self._pool.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# 11. CUDA graphs: a training step captured once, replayed for every batch
+# --------------------------------------------------------------------------------------------
+
+
+def _graph_event() -> tuple[torch.cuda.Event, bool]:
+    """An event a capture can record as a node of its graph, for the host to wait on after a
+    replay (``external=True``, torch >= 2.9), and True; on an older torch a plain event, which
+    the caller records after each replay instead, and False."""
+    try:
+        return torch.cuda.Event(external=True), True
+    except TypeError:
+        return torch.cuda.Event(), False
+
+
+def _capture(graph, stream, body: Callable[[], object]):
+    """What ``body`` queues, recorded into ``graph`` on ``stream`` (nothing runs); its result."""
+    with torch.cuda.graph(graph, stream=stream):
+        return body()
+
+
+class GraphedStep:
+    """A step captured once as a CUDA graph and replayed for every batch (notebook 13).
+
+    ``step(*inputs)`` queues a step's GPU work on device tensors (forward, backward and the
+    optimizer's step, say) and returns its output (the loss); ``example`` is a batch on the host,
+    a sequence of tensors that fixes the shapes and dtypes. A replay reads and writes the memory
+    the capture saw: the batch goes into static tensors on ``device`` (``inputs``), made once,
+    and ``output`` is overwritten in place by the next replay (``clone()`` it to keep it); it is
+    detached from the captured step's autograd graph, which would otherwise stay alive and keep
+    the parameters' gradient accumulators bound to the capture. Two ways in:
+
+    - ``staged=False``: a call copies the batch into ``inputs`` with ``copy_(non_blocking=True)``,
+      outside the graph (from pinned memory, so that the host does not wait), then replays;
+    - ``staged=True``: the copies from pinned staging buffers (``staging``) into ``inputs`` are
+      part of the graph, and so is an event right after them (``copied``). A call waits on that
+      event (the last replay's copies have read the buffers; before the first replay there is
+      nothing to wait for), copies the batch into the buffers on the host (from pageable memory
+      too), then replays.
+
+    Before the capture the step runs ``warmup`` times on the example batch, on a side stream, so
+    that lazy set-up (cuBLAS workspaces, the allocator's blocks) happens outside the capture;
+    those runs train like any other step, and the caller's stream waits for them. An optimizer
+    that counts its steps on the host needs ``capturable=True`` (Adam, AdamW); SGD is captured
+    as it is.
+    """
+
+    def __init__(self, step: Callable, example: Sequence[torch.Tensor], *,
+                 staged: bool = False, warmup: int = 3, device: torch.device | str = "cuda"):
+        device = torch.device(device)
+        self.staged = staged
+        self.inputs = [t.to(device, copy=True) for t in example]  # its own, even on the CPU
+        pin = device.type == "cuda"
+        self.staging = ([torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t)
+                         for t in example] if staged else [])
+        self.copied, self._in_graph = _graph_event()
+        self.copied.record()  # made now, outside the capture (which records it again)
+        self._replayed = False  # until the first replay, load() has no copies to wait for
+        self.stream = torch.cuda.Stream(device)
+        caller = torch.cuda.current_stream(device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            for _ in range(warmup):
+                step(*self.inputs)
+        caller.wait_stream(self.stream)  # the warm-up is ordered before whatever comes next
+        self.graph = torch.cuda.CUDAGraph()
+        output = _capture(self.graph, self.stream, lambda: self._body(step))
+        self.output = map_tensors(torch.Tensor.detach, output)  # the same memory, no grad_fn
+
+    def _body(self, step: Callable):
+        """What the graph holds: (staged) the copies out of the staging buffers and the event
+        after them, then the step."""
+        if self.staged:
+            for static, buffer in zip(self.inputs, self.staging, strict=True):
+                static.copy_(buffer, non_blocking=True)
+            if self._in_graph:
+                self.copied.record()
+        return step(*self.inputs)
+
+    def load(self, *batch: torch.Tensor, wait: bool = True) -> None:
+        """Put a batch where the next replay reads it: queue its copy into ``inputs``, or (staged)
+        copy it into ``staging`` on the host, first waiting (``wait``) until the last replay's
+        copies have read them. Before the first replay it never waits: the last record of
+        ``copied`` is then the capture's, which no replay has run."""
+        if not self.staged:
+            for static, tensor in zip(self.inputs, batch, strict=True):
+                static.copy_(tensor, non_blocking=True)
+            return
+        if wait and self._replayed:
+            self.copied.synchronize()
+        for buffer, tensor in zip(self.staging, batch, strict=True):
+            buffer.copy_(tensor)
+
+    def replay(self):
+        """Queue the step on the current stream; returns ``output``."""
+        self.graph.replay()
+        self._replayed = True
+        if self.staged and not self._in_graph:
+            self.copied.record()  # after the whole step: later than needed, never too early
+        return self.output
+
+    def __call__(self, *batch: torch.Tensor):
+        self.load(*batch)
+        return self.replay()
