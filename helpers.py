@@ -2502,6 +2502,26 @@ def _link_device_work(ops: list[_DeviceOp], before: list[int], lane: list[_HostO
                 op.launch_gap_us = gap
             else:
                 op.follows.append((by, gap))
+    _floor_stream_gaps(ops, before)
+
+
+def _floor_stream_gaps(ops: list[_DeviceOp], before: list[int]) -> None:
+    """No stream starts an op the instant the one before it ends: an op its launch held back
+    keeps, after the op before it, the gap the stream leaves between ops it runs back to back
+    (their median; no more than the gap seen), so that a fix that removes its launch's delay
+    does not pack it tighter than the GPU ever runs."""
+    gaps: dict[int, list[float]] = collections.defaultdict(list)
+    for d, op in enumerate(ops):
+        gaps[op.stream] += [gap for p, gap in op.follows
+                            if p == before[d] and 0 < gap <= CROSS_STREAM_US]
+    typical = {stream: statistics.median(g) for stream, g in gaps.items() if g}
+    for d, op in enumerate(ops):
+        p = before[d]
+        if p < 0 or op.stream not in typical:
+            continue
+        seen = op.start_us - (ops[p].start_us + ops[p].dur_us)
+        op.follows = [(q, max(gap, min(typical[op.stream], seen)) if q == p else gap)
+                      for q, gap in op.follows]
 
 
 def _link_waits(lane: list[_HostOp], ops: list[_DeviceOp]) -> None:
