@@ -1987,6 +1987,9 @@ class CheckupReport:
     short_kernels: float = float("nan")  # share of kernels shorter than their launch call
     launch_queue: float = float("nan")  # kernels launched and not begun, on average
     host_allocs_timed: float = float("nan")  # pinned blocks the host allocator made while timed
+    #: the share of the profiled host time that matches the unprofiled step (0: the replay's
+    #: device floor alone already takes the timed step's time)
+    host_scale: float = float("nan")
     profiled_periods_ms: list[float] = field(default_factory=list, repr=False)
     activities: list[Activity] = field(default_factory=list, repr=False)
     host_steps: list[tuple[float, float]] = field(default_factory=list, repr=False)
@@ -2023,6 +2026,10 @@ class CheckupReport:
             if rest > 0 and (periods[0] > STEADY_RATIO * rest or max(periods) > 2 * rest):
                 notes.append(f"the profiled steps vary: {periods[0]:.3g} ms first, "
                              f"{rest:.3g} ms typical, {max(periods):.3g} ms the longest")
+        if self.host_scale == 0:
+            notes.append(f"the replay with no host time ({self.replay_step_ms:.3g} ms) already "
+                         f"takes the timed step's {self.step_ms:.3g} ms: the profiler stretched "
+                         f"the device's work, and what the host's causes save is priced low")
         if self.host_allocs_timed == self.host_allocs_timed and self.host_allocs_timed > 0:
             notes.append(f"the host allocator pinned {self.host_allocs_timed:.0f} new blocks "
                          f"while the steps were timed: they were still warming up")
@@ -2907,7 +2914,7 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
     report = _measured(profile, cause_of_call, step_ms, loader_ms, trace)
     if _profiled_period(graph) > 0:
         report.replay_fidelity = _replay_period(graph) / _profiled_period(graph)
-    scale = _calibrate(graph, step_ms * 1e3)
+    scale = report.host_scale = _calibrate(graph, step_ms * 1e3)
     report.replay_step_ms = _replay_period(graph, _Change(host_scale=scale)) / 1e3
     short, queue, host_us, device_us = _launch_evidence(graph)
     report.short_kernels, report.launch_queue = short, queue

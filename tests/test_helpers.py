@@ -1572,6 +1572,9 @@ def test_checkup_report_says_when_the_steps_are_not_steady():
     assert not report.steady and len(notes) == 3
     assert "36.1 ms" in notes[0] and "30 ms first" in notes[1] and "3 new blocks" in notes[2]
     assert all(f"! {note}" in str(report) for note in notes)
+    # the device's work alone, as profiled, outlasts the timed step: host causes priced low
+    floor = _bare_report(step_ms=7.0, replay_step_ms=7.3, host_scale=0.0)
+    assert [n for n in floor.unsteady() if "no host time" in n and "7.3 ms" in n]
 
 
 @pytest.mark.parametrize("frames, ops, direction, kind, label", [
