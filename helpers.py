@@ -2364,26 +2364,39 @@ def _device_work(profile: _Profile) -> tuple[list[_DeviceOp], list[int]]:
     by start, each with the op before it on its stream (-1: none); the profile's events lack
     stream order only where a hand-made trace has no launches (``launch_of``)."""
     begin, end = profile.host_range
-    mark_starts = [s for s, _ in profile.gpu_steps]
     ops, before = [], []
     last_on: dict[int, int] = {}
     for e in profile.device:
         args = e.get("args", {})
         call = profile.launch_of.get(args.get("correlation"))
-        k = bisect.bisect_right(mark_starts, e["ts"]) - 1
-        step = k if k >= 0 and e["ts"] <= profile.gpu_steps[k][1] else -1
+        stream = int(args.get("stream", e.get("tid", -1)))
+        step = _step_of(profile, e["ts"], None if call is None else call["ts"])
+        if step < 0 and call is None and stream in last_on:
+            step = ops[last_on[stream]].step  # queued behind the op before it: its step's
         launched_in = call is not None and begin <= call["ts"] <= end
         if e["ts"] + e["dur"] <= begin or (step < 0 and not launched_in and e["ts"] > end):
             continue  # over before the steps, or after them and none of theirs
         if call is not None and call["ts"] > end and step < 0:
             continue
         kind = _activity_kind(e["cat"], e["name"])
-        stream = int(args.get("stream", e.get("tid", -1)))
         ops.append(_DeviceOp(e["ts"], e["dur"], stream, kind, args.get("bytes") or 0,
                              "Pageable" in e["name"], step, args.get("correlation")))
         before.append(last_on.get(stream, -1))
         last_on[stream] = len(ops) - 1
     return ops, before
+
+
+def _step_of(profile: _Profile, start_us: float, launched_us: float | None) -> int:
+    """The profiled step a device op belongs to: the GPU mark that holds its start, else the
+    step whose host span holds its launch (a GPU mark holds only what the step's own thread
+    launched under no inner annotation: autograd's thread and the optimizer's kernels fall
+    outside it); -1 for neither."""
+    for spans, at in ((profile.gpu_steps, start_us), (profile.host_steps, launched_us)):
+        if at is not None:
+            k = bisect.bisect_right([s for s, _ in spans], at) - 1
+            if k >= 0 and at <= spans[k][1]:
+                return k
+    return -1
 
 
 def _unlaunched(profile: _Profile, ops: list[_DeviceOp], before: list[int]) -> dict[int, float]:

@@ -1309,6 +1309,25 @@ def test_checkup_keeps_the_streams_own_gap_after_an_op_its_launch_held_back():
     assert ops[1].follows == [(0, 1.0)] and ops[2].follows == [(1, 1.0)]
 
 
+def test_checkup_counts_kernels_launched_outside_the_steps_gpu_mark_with_their_step():
+    # as the profiler marks a real step on the GPU: its mark holds only the kernels the step's
+    # own thread launched under no inner annotation (here the forward pass, 300 us); the
+    # backward pass, launched by autograd's thread (600 us), falls outside it
+    events = []
+    for k in range(4):
+        t0 = 1000 + 1000 * k
+        events += [_host("user_annotation", helpers.STEP_MARK, t0, 999), _python(t0, 100),
+                   _host("cuda_runtime", "cudaLaunchKernel", t0 + 10, 5, 10 * k),
+                   _device("kernel", "forward", t0 + 20, 300, 7, correlation=10 * k),
+                   _event("gpu_user_annotation", helpers.STEP_MARK, t0 + 20, 300, 7),
+                   _host("cuda_runtime", "cudaLaunchKernel", t0 + 30, 5, 10 * k + 1, tid=2),
+                   _device("kernel", "backward", t0 + 330, 600, 7, correlation=10 * k + 1)]
+    report = helpers.analyze_checkup_trace({"traceEvents": events}, steps=4)
+    assert report.replay_fidelity == pytest.approx(1)
+    assert report.gpu_work_ms == pytest.approx(0.9)  # both passes, not the marked 0.3 ms
+    assert "host_bound" not in report.kinds  # 0.1 ms of host work against 0.9 of the GPU's
+
+
 def test_checkup_replays_a_graph_launch_and_takes_no_launch_evidence_from_it():
     report = helpers.analyze_checkup_trace(_step_trace(1000, _graphed_step, steps=4), steps=4)
     assert report.replay_fidelity == pytest.approx(1)
