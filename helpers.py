@@ -1916,6 +1916,13 @@ class CheckupReport:
     def kinds(self) -> set[str]:
         return {f.kind for f in self.findings}
 
+    @property
+    def named_kinds(self) -> set[str]:
+        """Every cause the findings name: their kinds, and the kinds a ``host_waits`` finding
+        prices together (notebook 09)."""
+        together = set(self.waits_together) if "host_waits" in self.kinds else set()
+        return (self.kinds - {"host_waits"}) | together
+
     def saving_ms(self, *kinds: str) -> float:
         """What removing every cause of ``kinds`` at once saves a step, as the replay predicts
         (0 where none was seen). Several kinds are replayed together, not added: a change

@@ -1408,6 +1408,7 @@ def test_checkup_prices_waits_that_hide_one_another_together():
     assert together == pytest.approx(0.4, abs=0.03)
     assert together > alone + helpers.MIN_SAVING_MS
     assert report.findings[0].kind == "host_waits", str(report)
+    assert report.named_kinds == {"explicit_sync", "scalar_read"}
     assert report.findings[0].predicted_step_ms == pytest.approx(0.6, abs=0.03)
     assert "scalar_read" in str(report.findings[0]) and "explicit_sync" in str(report.findings[0])
     # one kind's saving is its own replay, not a sum of its call sites'
