@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import collections
 import ctypes
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -1911,6 +1912,8 @@ ADVICE = {
                   "work moved to the GPU", ("06", "07")),
     "host_bound": ("the GPU waits for Python to launch kernels: fewer, larger operations, "
                    "CUDA graphs or torch.compile", ("00", "13")),
+    "host_waits": ("remove every one of these waits: while one is left, the GPU runs dry at it "
+                   "and the others cost little", ("05", "09")),
 }
 PER_STEP = 0.5  # a cause seen in at least every other step is part of the step
 #: a finding saves at least this share of the step, or this many milliseconds
@@ -1922,6 +1925,7 @@ CROSS_STREAM_US = 5.0  # a device op that starts this long after its launch and 
 LAUNCH_US = 5.0  # a launch's host time when the trace has no launch to measure it by
 LINK_GBPS = 20.0  # pinned host-to-device rate when the trace has no pinned copy to measure
 HOST_AHEAD = 0.5  # latent costs are priced with the host's time at this share of the GPU's
+LATER_RATIO = 1.5  # a latent cause costs at least this much more once the host keeps ahead
 
 
 @dataclass(frozen=True)
@@ -1990,19 +1994,37 @@ class CheckupReport:
     #: the share of the profiled host time that matches the unprofiled step (0: the replay's
     #: device floor alone already takes the timed step's time)
     host_scale: float = float("nan")
+    #: the causes that block the host, seen in every other step or more, when there are two or
+    #: more, and what the replay saves with all of them removed at once: one wait can hide the
+    #: next (the GPU is already idle when the second comes), so each alone saves less
+    waits_together: tuple[str, ...] = ()
+    waits_together_ms: float = 0.0
     profiled_periods_ms: list[float] = field(default_factory=list, repr=False)
     activities: list[Activity] = field(default_factory=list, repr=False)
     host_steps: list[tuple[float, float]] = field(default_factory=list, repr=False)
     gpu_steps: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    #: kinds -> the step time the replay saves without all of them (set by the analysis)
+    what_if: Callable[[Iterable[str]], float] | None = field(default=None, repr=False,
+                                                             compare=False)
 
     @property
     def kinds(self) -> set[str]:
         return {f.kind for f in self.findings}
 
-    def saving_ms(self, kind: str) -> float:
-        """What removing every cause of ``kind`` saves a step, as the replay predicts (0 where
-        none was seen)."""
-        return self.savings_ms.get(kind, 0.0)
+    @property
+    def named_kinds(self) -> set[str]:
+        """Every cause the findings name: their kinds, and the kinds a ``host_waits`` finding
+        prices together (notebook 09)."""
+        together = set(self.waits_together) if "host_waits" in self.kinds else set()
+        return (self.kinds - {"host_waits"}) | together
+
+    def saving_ms(self, *kinds: str) -> float:
+        """What removing every cause of ``kinds`` at once saves a step, as the replay predicts
+        (0 where none was seen). Several kinds are replayed together, not added: a change
+        that removes two waits can save more than the two alone (notebook 09)."""
+        if len(kinds) == 1 or self.what_if is None:
+            return sum(self.savings_ms.get(kind, 0.0) for kind in kinds)
+        return self.what_if(kinds)
 
     @property
     def steady(self) -> bool:
@@ -2055,6 +2077,9 @@ class CheckupReport:
             ("launch queue (kernels waiting)", f"{self.launch_queue:.3g}"),
             ("replay / profiled step", f"{self.replay_fidelity:.3f}"),
             ("predicted saving, by cause", per_cause(self.savings_ms, " ms")),
+            ("... of the host's waits together",
+             f"{self.waits_together_ms:.3g} ms ({', '.join(self.waits_together)})"
+             if self.waits_together else "-"),
             ("H2D copies from pageable memory", copies(self.h2d_pageable)),
             ("H2D copies from pinned memory", copies(self.h2d_pinned)),
             ("D2H copies", copies(self.d2h)),
@@ -2234,7 +2259,8 @@ def _read_profile(trace: dict | list, steps: int) -> _Profile:
     threads.add(main)
     device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                     key=lambda e: e["ts"])
-    context = [e for e in events if e.get("cat") in ("cpu_op", "python_function")]
+    context = _same_thread_ids([e for e in events if e.get("cat") in ("cpu_op", "python_function")],
+                               calls)
     direction = {}
     for e in device:
         kind = _activity_kind(e["cat"], e["name"])
@@ -2255,6 +2281,38 @@ def _read_profile(trace: dict | list, steps: int) -> _Profile:
         context=context,
         host_busy=_union((e["ts"], e["ts"] + e["dur"]) for e in context
                          if (e["pid"], e["tid"]) in threads))
+
+
+def _same_thread_ids(context: list[dict], calls: list[dict]) -> list[dict]:
+    """``context`` (ops, Python frames) with each thread named as its CUDA calls name it. On a
+    thread other than the one that started the profiler (autograd's, say) Kineto can give the
+    ops one id and the CUDA calls another: a thread with calls and no ops takes the id of the
+    thread with ops and no calls whose ops hold the most of its calls."""
+    def threads(events):
+        return {(e["pid"], e["tid"]) for e in events}
+
+    bare_calls = threads(calls) - threads(context)
+    bare_ops = threads(context) - threads(calls)
+    if not bare_calls or not bare_ops:
+        return context
+    spans = {t: _union((e["ts"], e["ts"] + e["dur"]) for e in context
+                       if (e["pid"], e["tid"]) == t and e.get("cat") == "cpu_op")
+             for t in bare_ops}
+    starts = {t: [a for a, _ in spans[t]] for t in bare_ops}
+
+    def holds(t, call):
+        i = bisect.bisect_right(starts[t], call["ts"]) - 1
+        return i >= 0 and spans[t][i][1] >= call["ts"] + call["dur"]
+
+    alias = {}
+    for thread in bare_calls:
+        mine = [c for c in calls if (c["pid"], c["tid"]) == thread][:200]
+        held = {t: sum(holds(t, c) for c in mine) for t in bare_ops - set(alias)}
+        best = max(held, key=held.get, default=None)
+        if best is not None and held[best] > 0:
+            alias[best] = thread
+    return [dict(e, pid=alias[(e["pid"], e["tid"])][0], tid=alias[(e["pid"], e["tid"])][1])
+            if (e["pid"], e["tid"]) in alias else e for e in context]
 
 
 def _blocks(call: dict, direction: dict) -> bool:
@@ -2757,6 +2815,18 @@ def _fixes(graph: _StepGraph, launch_us: float, bytes_per_us: float) -> dict[tup
     return dict(fixes)
 
 
+def _saving_without(graph: _StepGraph, fixes: dict[tuple, _Change], scale: float,
+                    kinds: Iterable[str]) -> float:
+    """The step time (ms) the replay saves with every cause of ``kinds`` removed at once, host
+    time at ``scale``."""
+    kinds = set(kinds)
+    paced = change = _Change(host_scale=scale)
+    for key, fix in fixes.items():
+        if key[0] in kinds:
+            change = fix | change
+    return max(_replay_period(graph, paced) - _replay_period(graph, change), 0.0) / 1e3
+
+
 def _savings(graph: _StepGraph, fixes: dict[tuple, _Change], scale: float) -> dict[tuple, float]:
     """Per cause, the step time (us) the replay saves without it, host time at ``scale``."""
     paced = _Change(host_scale=scale)
@@ -2848,9 +2918,9 @@ def _measured(profile: _Profile, cause_of_call: dict, step_ms: float, loader_ms:
 def _findings(report: CheckupReport, per_cause: dict, savings_us: dict, reference_ms: float):
     """A finding per cause seen in at least every other step whose fix saves at least
     MIN_SAVING_SHARE of the step and MIN_SAVING_MS; ``host_bound`` only where the host's time
-    outside waits is at least the GPU's (the host cannot keep ahead), and then first, since
-    every other fix then saves only the host time it takes away. Returns the findings and the
-    causes seen in every other step that save too little (candidates for ``latent``)."""
+    outside waits is at least the GPU's (the host cannot keep ahead). Costliest first: a slow
+    loader can cost more than the host's own time, and both be findings. Returns the findings
+    and the causes seen in every other step that save too little (candidates for ``latent``)."""
     floor = max(MIN_SAVING_SHARE * reference_ms, MIN_SAVING_MS)
     findings, small = [], []
     for key, us in savings_us.items():
@@ -2867,8 +2937,23 @@ def _findings(report: CheckupReport, per_cause: dict, savings_us: dict, referenc
         advice, notebooks = ADVICE[kind]
         findings.append(Finding(kind, _seen(kind, label, where, calls, report), us / 1e3,
                                 advice, notebooks, reference_ms - us / 1e3))
-    findings.sort(key=lambda f: (f.kind != "host_bound", -f.cost_ms))
+    findings.sort(key=lambda f: -f.cost_ms)
     return findings, small
+
+
+def _waits_finding(report: CheckupReport, reference_ms: float) -> Finding | None:
+    """``host_waits``: the host's waits of several kinds, priced together, where that saves a
+    finding's worth more than the best of them alone (a wait that the next one hides costs
+    little by itself, and a fix of one kind alone leaves the GPU idle at the next)."""
+    floor = max(MIN_SAVING_SHARE * reference_ms, MIN_SAVING_MS)
+    alone = {kind: report.saving_ms(kind) for kind in report.waits_together}
+    if not alone or report.waits_together_ms < max(alone.values()) + floor:
+        return None
+    seen = (f"{', '.join(report.waits_together)} together (alone: "
+            + ", ".join(f"{kind} {ms:.3g} ms" for kind, ms in alone.items()) + ")")
+    advice, notebooks = ADVICE["host_waits"]
+    return Finding("host_waits", seen, report.waits_together_ms, advice, notebooks,
+                   reference_ms - report.waits_together_ms)
 
 
 def _latent(report: CheckupReport, graph: _StepGraph, fixes: dict, keys: list, scale: float,
@@ -2885,6 +2970,8 @@ def _latent(report: CheckupReport, graph: _StepGraph, fixes: dict, keys: list, s
     for key in keys:
         if later[key] / 1e3 < floor:
             continue  # free now and later: a wait on an event recorded steps ago, say
+        if later[key] < LATER_RATIO * max(savings_us[key], 0.0):
+            continue  # small now and later alike: not hidden by the host (host_waits, maybe)
         kind, label, where = key
         advice, notebooks = ADVICE[kind]
         found.append(Latent(kind, _seen(kind, label, where, per_cause[key][0], report),
@@ -2934,13 +3021,20 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
     report.host_busy_ms, report.gpu_work_ms = host_us * scale / 1e3, device_us / 1e3
     fixes = _fixes(graph, _launch_us(graph), _link_rate(graph, link_gbps))
     savings = _savings(graph, fixes, scale)
-    by_kind: dict[str, float] = collections.defaultdict(float)
-    for (kind, _, _), us in savings.items():
-        by_kind[kind] += max(us, 0.0) / 1e3
+    report.what_if = functools.partial(_saving_without, graph, fixes, scale)
+    by_kind = {kind: report.what_if({kind}) for kind in {key[0] for key in fixes}}
     report.savings_ms = {kind: round(ms, 6) for kind, ms in by_kind.items() if ms >= 5e-4}
     reference_ms = step_ms if step_ms == step_ms else report.profiled_step_ms
     per_cause = _calls_per_cause(graph)
+    waits = sorted({key[0] for key, fix in fixes.items() if fix.no_wait
+                    and per_cause.get(key, (0.0, 0))[1] >= PER_STEP * steps})
+    if len(waits) >= 2:
+        report.waits_together = tuple(waits)
+        report.waits_together_ms = round(report.what_if(waits), 6)
     report.findings, small = _findings(report, per_cause, savings, reference_ms)
+    together = _waits_finding(report, reference_ms)
+    if together is not None:
+        report.findings = sorted(report.findings + [together], key=lambda f: -f.cost_ms)
     report.latent = _latent(report, graph, fixes, small, scale, per_cause, savings,
                             reference_ms)
     return report
@@ -2964,8 +3058,9 @@ def _buffered_batches(batches) -> int:
 def checkup_batches(workers: int = 0, prefetch_factor: int = 2, *, steps: int = 10,
                     timed_steps: int = 20, warmup: int = 5, loader_batches: int = 10) -> int:
     """How many batches ``checkup`` takes from a loader with ``workers`` workers (0 for any
-    other source) and these settings."""
-    return (warmup + workers * prefetch_factor + loader_batches + timed_steps + 1 + steps)
+    other source) and these settings (the batches the workers hold ready count twice: taken
+    before the source is timed alone, and stepped through again after it)."""
+    return (warmup + 2 * workers * prefetch_factor + loader_batches + timed_steps + 1 + steps)
 
 
 def _host_allocs() -> float:
@@ -2991,7 +3086,7 @@ def _warm_up(one_step: Callable[[], None], steps: int, more: int) -> None:
 def _loader_ms(take: Callable[[], object], ready: int, batches: int) -> float:
     """The batch source's own pace, per batch. Its workers filled their queue (``ready``
     batches) while the first steps were slow (start-up, autotuning): those are taken first, so
-    that the timed steps start with an empty queue, as in the rest of an epoch."""
+    that the source is timed from an empty queue."""
     for _ in range(ready):
         take()
     began = time.perf_counter()
@@ -3044,8 +3139,12 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
     ``warmup`` steps (without batches, up to ``warmup`` more while the caching host allocator
     still pins new blocks); then, from a DataLoader, the batches its workers may hold ready are
     taken and dropped, and ``loader_batches`` are taken alone to time the source by itself; then
-    ``timed_steps`` are timed on the host clock, and one more and ``steps`` run under the
-    profiler (with Python stacks). ``checkup_batches`` says how many batches that is. The wait
+    as many untimed steps as the workers hold batches, so that the queue the source's timing
+    emptied fills again where the loader keeps ahead of the step, as in the rest of an epoch
+    (from an empty queue, a pin-memory loader's timed steps read 7 % slower than the profiled
+    ones in notebook 09); then ``timed_steps`` are timed on the host clock, and one more and
+    ``steps`` run under the profiler (with Python stacks). ``checkup_batches`` says how many
+    batches that is. The wait
     for each batch counts as part of its step. Returns a ``CheckupReport``: print it for a
     table, the findings (costliest first, each with what to change, the step time predicted
     without it and the notebook that measures why) and the latent ones.
@@ -3054,8 +3153,8 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
 
     require_cuda()
     source = iter(batches) if batches is not None else None
-    needed = (warmup + _buffered_batches(batches) + loader_batches + timed_steps + 1 + steps
-              if batches is not None else 0)
+    needed = (warmup + 2 * _buffered_batches(batches) + loader_batches + timed_steps + 1
+              + steps if batches is not None else 0)
     taken = 0
 
     def take():
@@ -3081,6 +3180,7 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
         _warm_up(one_step, warmup, warmup if batches is None else 0)
         if batches is not None:
             loader_ms = _loader_ms(take, _buffered_batches(batches), loader_batches)
+            _warm_up(one_step, _buffered_batches(batches), 0)  # the queue fills again
         step_ms, allocs = _timed_ms(one_step, timed_steps)
         trace = _profiled_trace(one_step, steps)
     finally:
