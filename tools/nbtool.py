@@ -662,7 +662,7 @@ TYPED_PREDICTIONS: frozenset = frozenset({
     "00_timing_async_work.ipynb", "01_pageable_and_pinned.ipynb", "02_bus_bandwidth.ipynb",
     "03_non_blocking.ipynb", "04_overlap.ipynb", "05_device_to_host.ipynb",
     "06_dataloader_pinning.ipynb", "07_prefetching.ipynb", "08_tensordict_threads.ipynb",
-    "10_two_gpus.ipynb", "11_activation_offload.ipynb"})
+    "10_two_gpus.ipynb", "11_activation_offload.ipynb", "12_checkpoint_loading.ipynb"})
 BOOKKEEPING = frozenset({"record", "claim", "claim_where"})
 SHORT_SUMMARY = "Show the short answer"
 CHECKS_PROMPT = "Show the record and the checks"
