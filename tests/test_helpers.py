@@ -1415,6 +1415,24 @@ def test_checkup_prices_waits_that_hide_one_another_together():
     assert report.saving_ms("scalar_read") == report.savings_ms["scalar_read"]
 
 
+def _long_step_with_a_read(t0, k):
+    """``_gpu_bound_item_step`` with kernels ten times longer: the read idles the GPU the same
+    105 us a step, now about 1 % of it, and the host is nowhere near the bottleneck."""
+    events = [_python(t0, 9119)]
+    for i in range(3):
+        events += _kernel(t0 + 5 * i, 5, t0 + 10 + 3000 * i, 3000, 10 * (k + 1) + i)
+    return events + _item(t0, 20, 9010, 500 + k, wait_us=8990)
+
+
+def test_checkup_lists_as_latent_only_what_would_cost_more_once_the_host_keeps_ahead():
+    report = helpers.analyze_checkup_trace(_step_trace(9120, _long_step_with_a_read, steps=3),
+                                           steps=3)
+    assert report.findings == [] and report.saving_ms("scalar_read") > helpers.MIN_SAVING_MS
+    # small now and as small with the host further ahead: not "free while the host is the
+    # bottleneck", since it is not
+    assert report.latent == [], str(report)
+
+
 def _exposed_copy_step(t0, k):
     """The host runs ahead (a step every 300 us); on the GPU each step is a 200 us pinned copy
     and, behind it on the same stream, a 700 us kernel: 900 us a step."""
