@@ -1915,6 +1915,10 @@ ADVICE = {
     "host_waits": ("remove every one of these waits: while one is left, the GPU runs dry at it "
                    "and the others cost little", ("05", "09")),
 }
+#: data_wait where the batch source alone keeps ahead of the step: the wait is next()'s own
+#: work on the step's thread (taking the batch from the workers), not the loader's pace
+KEEPS_UP_ADVICE = ("the loader keeps up, but next() takes each batch from the workers on this "
+                   "thread: DataLoader(pin_memory=True) does that on its pin thread", ("06", "09"))
 PER_STEP = 0.5  # a cause seen in at least every other step is part of the step
 #: a finding saves at least this share of the step, or this many milliseconds
 MIN_SAVING_SHARE, MIN_SAVING_MS = 0.03, 0.05
@@ -2934,7 +2938,7 @@ def _findings(report: CheckupReport, per_cause: dict, savings_us: dict, referenc
             if key in per_cause:
                 small.append(key)
             continue
-        advice, notebooks = ADVICE[kind]
+        advice, notebooks = _advice(kind, report, reference_ms)
         findings.append(Finding(kind, _seen(kind, label, where, calls, report), us / 1e3,
                                 advice, notebooks, reference_ms - us / 1e3))
     findings.sort(key=lambda f: -f.cost_ms)
@@ -2973,11 +2977,21 @@ def _latent(report: CheckupReport, graph: _StepGraph, fixes: dict, keys: list, s
         if later[key] < LATER_RATIO * max(savings_us[key], 0.0):
             continue  # small now and later alike: not hidden by the host (host_waits, maybe)
         kind, label, where = key
-        advice, notebooks = ADVICE[kind]
+        advice, notebooks = _advice(kind, report, reference_ms)
         found.append(Latent(kind, _seen(kind, label, where, per_cause[key][0], report),
                             max(savings_us[key], 0.0) / 1e3, later[key] / 1e3, advice,
                             notebooks))
     return sorted(found, key=lambda f: -f.later_ms)
+
+
+def _advice(kind: str, report: CheckupReport, reference_ms: float) -> tuple[str, tuple]:
+    """What to change for ``kind``: for ``data_wait``, where the source alone takes less than
+    the rest of the step (it keeps up) and hands out pageable batches (no pin thread), the wait
+    is next()'s own work, not the loader's pace."""
+    keeps_up = report.loader_ms < reference_ms - report.data_wait_ms
+    if kind == "data_wait" and keeps_up and report.h2d_pageable[0] > 0:
+        return KEEPS_UP_ADVICE
+    return ADVICE[kind]
 
 
 def _seen(kind, label, where, per_step, report) -> str:

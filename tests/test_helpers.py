@@ -1161,10 +1161,12 @@ def test_checkup_trace_sees_an_exposed_pinned_copy_and_a_hidden_one():
 
 
 def test_checkup_trace_sees_the_gpu_idle_waiting_for_data_and_ignores_other_threads():
-    def body(t0, k):
+    def body(t0, k, pageable=False):
+        copy = [_device("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", t0 + 300, 1, 7,
+                        correlation=900 + k, nbytes=4096)] if pageable else []
         return [_host("user_annotation", helpers.NEXT_MARK, t0, 300),
                 _host("cuda_runtime", "cudaStreamSynchronize", t0 + 400, 500, tid=2),
-                _device("kernel", "k", t0 + 300, 690, 7)]
+                _device("kernel", "k", t0 + 301, 689, 7)] + copy
 
     report = helpers.analyze_checkup_trace(_step_trace(1000, body, steps=3), steps=3)
     assert report.kinds == {"data_wait"}, str(report)
@@ -1173,6 +1175,20 @@ def test_checkup_trace_sees_the_gpu_idle_waiting_for_data_and_ignores_other_thre
     assert report.data_wait_ms == pytest.approx(0.3)
     assert report.saving_ms("data_wait") == pytest.approx(0.3)
     assert report.syncs == {}
+    assert "does not keep up" in str(report.findings[0])  # the source's pace is not known
+    # the source alone takes 0.2 ms a batch, less than the 0.7 ms of the step outside the wait:
+    # it keeps up, and the wait is next()'s own work (notebook 09's usual loop: 8.46 ms a batch,
+    # a 23.7 ms step, 1.57 ms in next(), 0.15 ms with pin_memory=True)
+    def pageable(t0, k):  # batches from a loader without a pin thread
+        return body(t0, k, pageable=True)
+
+    for loader_ms, source, advice in ((0.2, pageable, "pin_memory=True"),
+                                      (0.9, pageable, "does not keep up"),
+                                      (0.2, body, "does not keep up")):  # pinned already
+        report = helpers.analyze_checkup_trace(_step_trace(1000, source, steps=3), steps=3,
+                                               step_ms=1.0, loader_ms=loader_ms)
+        finding = next(f for f in report.findings if f.kind == "data_wait")
+        assert advice in str(finding), str(report)
 
     def busy_meanwhile(t0, k):  # the GPU still runs queued work: the wait costs nothing
         return [_host("user_annotation", helpers.NEXT_MARK, t0, 300),
