@@ -2120,8 +2120,12 @@ class CheckupReport:
 
 # Which call of the reader's code made the host wait: from the stack of the blocking call
 
+#: frames of a comprehension: the call is named after the function around it
+COMPREHENSIONS = ("<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>")
+
+
 def _is_library_frame(name: str) -> bool:
-    if name.startswith("<built-in"):
+    if name.startswith(("<built-in", "<frozen ")):
         return True
     path = name.split("(")[0]
     stem = Path(path).stem
@@ -2154,10 +2158,12 @@ def _classify(stack: list[dict], copy_direction: str | None) -> _Blocking:
     ops = [e["name"] for e in stack if e.get("cat") == "cpu_op"]
     aten = [op for op in ops if op.startswith("aten::")]
     user = max((i for i, f in enumerate(frames) if not _is_library_frame(f)), default=None)
-    below = frames[user + 1:] if user is not None else frames
+    below = [f for f in (frames[user + 1:] if user is not None else frames)
+             if not f.startswith("<frozen ")]  # the import machinery calls nothing of ours
     callee = _callee_label(below[0]) if below else None
     if user is not None:
-        where = "in " + frames[user].partition(": ")[2]
+        named = [f.partition(": ")[2] for f in frames[:user + 1] if not _is_library_frame(f)]
+        where = "in " + next((f for f in reversed(named) if f not in COMPREHENSIONS), named[-1])
     else:
         node = next((op for op in ops if not op.startswith(("aten::", "autograd::"))), None)
         where = f"in backward ({node}, autograd's thread)" if node else "in the step"

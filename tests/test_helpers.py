@@ -1695,6 +1695,18 @@ def test_checkup_names_the_call_in_the_readers_code(frames, ops, direction, kind
     assert (cause.kind, cause.where) == (kind, "in step") and label in cause.label
 
 
+def test_checkup_names_the_function_around_a_comprehension_and_skips_frozen_frames():
+    to = (["aten::to", "aten::_to_copy", "aten::copy_"], "h2d_pageable")
+    for frames in (["<frozen runpy>(198): _run_module_as_main", "train.py(10): step",
+                    "train.py(11): <genexpr>", "<built-in method to of Tensor object at 0x1>"],
+                   ["train.py(10): step", "<frozen importlib._bootstrap>(1): _call",
+                    "<built-in method to of Tensor object at 0x1>"]):
+        stack = [{"cat": "python_function", "name": f} for f in frames]
+        stack += [{"cat": "cpu_op", "name": op} for op in to[0]]
+        assert helpers._classify(stack, to[1]) == helpers._Blocking("pageable_h2d", ".to()",
+                                                                    "in step")
+
+
 # A small step whose one defect is planted: the check-up must name that one and nothing else.
 CHECKUP_BYTES = 16 << 20
 
