@@ -2751,6 +2751,13 @@ def _replay_period(graph: _StepGraph, change: _Change | None = None) -> float:
     return _period_us(graph, *_replay(graph, change))
 
 
+def _scale_data_waits(graph: _StepGraph, factor: float) -> None:
+    """The host's time in next(batches) times ``factor``: the unprofiled over the profiled."""
+    for op in graph.host:
+        if op.kind == "data":
+            op.own_us *= factor
+
+
 def _calibrate(graph: _StepGraph, step_us: float) -> float:
     """The scale of host time at which the replay runs at ``step_us`` a step (the unprofiled
     pace): the profiler slows the host (its bookkeeping, Python stacks) but not the GPU. 1 when
@@ -3018,7 +3025,8 @@ def _seen(kind, label, where, per_step, report) -> str:
 
 def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float("nan"),
                           loader_ms: float = float("nan"), *,
-                          link_gbps: float = LINK_GBPS) -> CheckupReport:
+                          link_gbps: float = LINK_GBPS,
+                          next_ms: float = float("nan")) -> CheckupReport:
     """Read a Chrome trace of ``steps`` steps, each marked with ``record_function(STEP_MARK)``
     (and the wait for its batch with ``NEXT_MARK``), into a ``CheckupReport``.
 
@@ -3026,14 +3034,19 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
     that a replay runs as it ran (``replay_fidelity``: its step over the profiled one) and with
     each cause removed: a cause's cost is the step time that saves. With ``step_ms`` (the
     unprofiled step) the host's time is scaled so that the replay runs at that pace, since the
-    profiler slows the host but not the kernels. ``link_gbps``: the pinned copy rate to assume
-    when the trace has no pinned copy to measure it by."""
+    profiler slows the host but not the kernels. With ``next_ms`` (the unprofiled time in
+    next(batches) per step) the waits for data are scaled to it first: the profiler slows the
+    Python inside next() too (a prefetcher's, say), which no host scale reaches. ``link_gbps``:
+    the pinned copy rate to assume when the trace has no pinned copy to measure it by."""
     profile = _read_profile(trace, steps)
     cause_of_call, cause_of_copy = _blocking_causes(profile)
     graph = _step_graph(profile, cause_of_call, cause_of_copy)
     report = _measured(profile, cause_of_call, step_ms, loader_ms, trace)
     if _profiled_period(graph) > 0:
         report.replay_fidelity = _replay_period(graph) / _profiled_period(graph)
+    if next_ms == next_ms and report.data_wait_ms > 0:
+        _scale_data_waits(graph, next_ms / report.data_wait_ms)
+        report.data_wait_ms = next_ms
     scale = report.host_scale = _calibrate(graph, step_ms * 1e3)
     report.replay_step_ms = _replay_period(graph, _Change(host_scale=scale)) / 1e3
     short, queue, host_us, device_us = _launch_evidence(graph)
@@ -3115,16 +3128,37 @@ def _loader_ms(take: Callable[[], object], ready: int, batches: int) -> float:
     return (time.perf_counter() - began) * 1e3 / max(batches, 1)
 
 
-def _timed_ms(one_step: Callable[[], None], timed_steps: int) -> tuple[float, float]:
-    """The unprofiled step time, and the pinned blocks the host allocator made meanwhile (a
-    host that runs ahead may have new buffers pinned in the timed steps: not yet steady)."""
+TIMED_BLOCK = 5  # steps per block of the unprofiled timing
+
+
+def _timed_ms(one_step: Callable[[], None], timed_steps: int,
+              next_s: list[float]) -> tuple[float, float, float]:
+    """The unprofiled step: the median over blocks of ``TIMED_BLOCK`` steps of their time per
+    step, from CUDA events on the current stream (a slow spell of the host falls in one block,
+    not in the result; the first step, which the GPU starts only after the host, is in none);
+    the host's time in next() per step (``next_s`` accumulates it); and the pinned blocks the
+    host allocator made meanwhile (a host that runs ahead may have new buffers pinned in the
+    timed steps: not yet steady)."""
     torch.cuda.synchronize()
-    allocs = _host_allocs()
-    began = time.perf_counter()
-    for _ in range(timed_steps):
-        one_step()
+    allocs, waited = _host_allocs(), next_s[0]
+    one_step()
+    marks, counts = [_recorded_event()], []
+    for first in range(1, timed_steps, TIMED_BLOCK):
+        counts.append(min(TIMED_BLOCK, timed_steps - first))
+        for _ in range(counts[-1]):
+            one_step()
+        marks.append(_recorded_event())
     torch.cuda.synchronize()
-    return (time.perf_counter() - began) * 1e3 / max(timed_steps, 1), _host_allocs() - allocs
+    per_step = [a.elapsed_time(b) / n for a, b, n in zip(marks, marks[1:], counts, strict=True)]
+    step_ms = statistics.median(per_step) if per_step else float("nan")
+    next_ms = (next_s[0] - waited) * 1e3 / max(timed_steps, 1)
+    return step_ms, next_ms, _host_allocs() - allocs
+
+
+def _recorded_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _profiled_trace(one_step: Callable[[], None], steps: int) -> dict:
@@ -3162,7 +3196,8 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
     as many untimed steps as the workers hold batches, so that the queue the source's timing
     emptied fills again where the loader keeps ahead of the step, as in the rest of an epoch
     (from an empty queue, a pin-memory loader's timed steps read 7 % slower than the profiled
-    ones in notebook 09); then ``timed_steps`` are timed on the host clock, and one more and
+    ones in notebook 09); then ``timed_steps`` are timed (by CUDA events, the median of blocks of
+    ``TIMED_BLOCK``), and one more and
     ``steps`` run under the profiler (with Python stacks). ``checkup_batches`` says how many
     batches that is. The wait
     for each batch counts as part of its step. Returns a ``CheckupReport``: print it for a
@@ -3186,13 +3221,17 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
         taken += 1
         return batch
 
+    next_s = [0.0]  # the host's time in next(batches), unprofiled steps included
+
     def one_step() -> None:
         with record_function(STEP_MARK):
             if batches is None:
                 step()
                 return
+            began = time.perf_counter()
             with record_function(NEXT_MARK):
                 batch = take()
+            next_s[0] += time.perf_counter() - began
             step(batch)
 
     loader_ms = float("nan")
@@ -3201,14 +3240,15 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
         if batches is not None:
             loader_ms = _loader_ms(take, _buffered_batches(batches), loader_batches)
             _warm_up(one_step, _buffered_batches(batches), 0)  # the queue fills again
-        step_ms, allocs = _timed_ms(one_step, timed_steps)
+        step_ms, next_ms, allocs = _timed_ms(one_step, timed_steps, next_s)
         trace = _profiled_trace(one_step, steps)
     finally:
         close = getattr(source, "close", None)  # a generator: let its loader shut down now
         if close is not None:
             close()
         source = None  # a DataLoader iterator shuts its workers down when it is dropped
-    report = analyze_checkup_trace(trace, steps, step_ms, loader_ms)
+    report = analyze_checkup_trace(trace, steps, step_ms, loader_ms,
+                                   next_ms=next_ms if batches is not None else float("nan"))
     report.host_allocs_timed = allocs
     return report
 

@@ -1190,6 +1190,14 @@ def test_checkup_trace_sees_the_gpu_idle_waiting_for_data_and_ignores_other_thre
         finding = next(f for f in report.findings if f.kind == "data_wait")
         assert advice in str(finding), str(report)
 
+    # unprofiled, next() took 0.1 ms a step, not the profiled 0.3 (the profiler slows the Python
+    # inside it too): the wait is scaled to that before the replay, and so is its price
+    report = helpers.analyze_checkup_trace(_step_trace(1000, body, steps=3), steps=3,
+                                           next_ms=0.1)
+    assert report.data_wait_ms == pytest.approx(0.1)
+    assert report.saving_ms("data_wait") == pytest.approx(0.1)
+    assert report.replay_fidelity == pytest.approx(1.0)  # of the graph as profiled
+
     def busy_meanwhile(t0, k):  # the GPU still runs queued work: the wait costs nothing
         return [_host("user_annotation", helpers.NEXT_MARK, t0, 300),
                 _device("kernel", "k", t0, 990, 7)]
@@ -2159,12 +2167,17 @@ def _features(device, batch: int):
             for _ in range(2)]
 
 
+GPU_BOUND_BATCH = 1536
+
+
 def _gpu_bound_item(device) -> _Ablation:
-    # GPU-bound with .item(): batch 1024 through the wide layers in float32 is about 7 ms of
-    # kernels a step on an H100 (over 40 on a T4) against about 1.5 ms of host time; the batches
-    # are on the GPU. Reading the loss every step makes the host wait for the GPU, which then
-    # waits for the host to launch the next step's stem. The fix for scalar_read: the running
-    # loss kept on the GPU, not read.
+    # GPU-bound with .item(): batch 1536 through the wide layers in float32 is about 12 ms of
+    # kernels a step on an H100 (over 60 on a T4) against about 5 ms of host time (measured
+    # behind a GPU sleep; at batch 1024, 8 ms of kernels left the check-up's host estimate too
+    # close to the GPU's to tell the step from a host-bound one); the batches are on the GPU.
+    # Reading the loss every step makes the host wait for the GPU, which then waits for the
+    # host to launch the next step's stem. The fix for scalar_read: the running loss kept on
+    # the GPU, not read.
     from torch.nn import functional as F
 
     model = _stem_and_wide(device, stem=32)
@@ -2178,14 +2191,16 @@ def _gpu_bound_item(device) -> _Ablation:
     def fixed(batch):
         running.add_(train(*batch).detach())
 
-    batches = _cycling(_features(device, 1024))
+    batches = _cycling(_features(device, GPU_BOUND_BATCH))
     return _Ablation("scalar_read", {"as_is": (batches, as_is), "fixed": (batches, fixed)},
                      steps=12)
 
 
 def _fp16_grad_scaler(device) -> _Ablation:
     # fp16 with a GradScaler: the same kind of GPU-bound step under float16 autocast (batch
-    # 8192: about 5 ms of kernels a step on an H100, 50 on a T4). GradScaler.step reads
+    # 16384: about 13 ms of kernels a step on an H100, 100 on a T4, against about 7 ms of host
+    # time: autocast's casts double the stem's launches; with a stem of 48 and batch 8192 the
+    # step was host-bound on the H100, 10 ms of host time to 6.7 of kernels). GradScaler.step reads
     # found_inf on the host before the optimizer's step, every step: the GPU idles while the
     # host launches the optimizer's step and the next stem.
     # The fix: the same scaler with SGD(fused=True), whose step takes found_inf on the GPU, so
@@ -2196,7 +2211,7 @@ def _fp16_grad_scaler(device) -> _Ablation:
     # replaces the unscale kernel of the same size, so the two loops differ by the read alone.
     from torch.nn import functional as F
 
-    model = _stem_and_wide(device, stem=48)  # a saving of about 0.5 ms, well over the floor
+    model = _stem_and_wide(device, stem=32)
     params = list(model.parameters())
 
     def loop(optimizer):
@@ -2213,7 +2228,7 @@ def _fp16_grad_scaler(device) -> _Ablation:
 
         return step
 
-    batches = _cycling(_features(device, 8192))
+    batches = _cycling(_features(device, 16384))
     return _Ablation("grad_scaler", {
         "as_is": (batches, loop(torch.optim.SGD(params, lr=1e-3))),
         "fixed": (batches, loop(torch.optim.SGD(params, lr=1e-3, fused=True))),
@@ -2246,7 +2261,7 @@ def _explicit_sync(device) -> _Ablation:
 
         return step
 
-    batches = _cycling(_features(device, 1024))
+    batches = _cycling(_features(device, GPU_BOUND_BATCH))
     return _Ablation("explicit_sync", {"as_is": (batches, loop(True)),
                                        "fixed": (batches, loop(False))}, steps=12)
 
@@ -2327,6 +2342,10 @@ def test_checkup_predicts_what_its_top_fix_saves(case, float32_matmuls):
                f"{report.replay_step_ms:.3f} ms, fidelity {report.replay_fidelity:.3f}, host "
                f"busy {report.host_busy_ms:.3f} ms, GPU work {report.gpu_work_ms:.3f} ms"
                f"{notes}\n{report}")
+    floor = max(helpers.MIN_SAVING_SHARE * ms["as_is"], helpers.MIN_SAVING_MS)
+    if measured < floor / 2:  # a slow GPU (a T4) hides the planted cause under its kernels
+        pytest.skip(f"[{case}] its fix saves {measured:.3f} ms of a {ms['as_is']:.3f} ms step on "
+                    f"this GPU, under half the check-up's floor: nothing to name" + context)
     top = report.findings[0] if report.findings else None
     assert top is not None and top.kind == ablation.expected, (
         f"[{case}] expected {ablation.expected} first, got "
