@@ -31,6 +31,7 @@ import ctypes
 import functools
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -3149,10 +3150,15 @@ def _timed_ms(one_step: Callable[[], None], timed_steps: int,
             one_step()
         marks.append(_recorded_event())
     torch.cuda.synchronize()
-    per_step = [a.elapsed_time(b) / n for a, b, n in zip(marks, marks[1:], counts, strict=True)]
-    step_ms = statistics.median(per_step) if per_step else float("nan")
+    step_ms = _median_block_ms([a.elapsed_time(b) for a, b in itertools.pairwise(marks)], counts)
     next_ms = (next_s[0] - waited) * 1e3 / max(timed_steps, 1)
     return step_ms, next_ms, _host_allocs() - allocs
+
+
+def _median_block_ms(elapsed_ms: list[float], counts: list[int]) -> float:
+    """The median over blocks of their time per step (nan for no block)."""
+    per_step = [ms / n for ms, n in zip(elapsed_ms, counts, strict=True)]
+    return statistics.median(per_step) if per_step else float("nan")
 
 
 def _recorded_event() -> torch.cuda.Event:

@@ -1160,6 +1160,40 @@ def test_checkup_trace_sees_an_exposed_pinned_copy_and_a_hidden_one():
     assert clean.gpu_busy > 0.95
 
 
+def test_checkup_times_the_median_block_so_that_one_slow_spell_is_left_out():
+    # blocks of 5, 5 and 4 steps: the middle one had a slow spell (30 ms for 5 steps)
+    assert helpers._median_block_ms([10.0, 30.0, 8.4], [5, 5, 4]) == pytest.approx(2.1)
+    assert math.isnan(helpers._median_block_ms([], []))
+    with pytest.raises(ValueError):
+        helpers._median_block_ms([10.0], [5, 5])
+
+
+def test_checkup_timed_steps_leave_the_first_step_out_and_time_next_apart(monkeypatch):
+    clock = [0.0]  # ms: each step takes 2, and its next() 0.5 of that; the first one takes 50
+
+    class Mark:
+        def __init__(self):
+            self.at = clock[0]
+
+        def elapsed_time(self, later):
+            return later.at - self.at
+
+    steps, waited = [], [0.0]
+
+    def one_step():
+        steps.append(1)
+        took = 50.0 if len(steps) == 1 else 2.0
+        clock[0] += took
+        waited[0] += 0.5e-3
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(helpers, "_recorded_event", Mark)
+    monkeypatch.setattr(helpers, "_host_allocs", lambda: 0.0)
+    step_ms, next_ms, allocs = helpers._timed_ms(one_step, 12, waited)
+    assert len(steps) == 12 and step_ms == pytest.approx(2.0)  # blocks of 5, 5 and 1
+    assert next_ms == pytest.approx(0.5) and allocs == 0
+
+
 def test_checkup_trace_sees_the_gpu_idle_waiting_for_data_and_ignores_other_threads():
     def body(t0, k, pageable=False):
         copy = [_device("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", t0 + 300, 1, 7,
