@@ -31,7 +31,6 @@ import ctypes
 import functools
 import importlib.metadata
 import importlib.util
-import itertools
 import json
 import math
 import os
@@ -3129,36 +3128,24 @@ def _loader_ms(take: Callable[[], object], ready: int, batches: int) -> float:
     return (time.perf_counter() - began) * 1e3 / max(batches, 1)
 
 
-TIMED_BLOCK = 5  # steps per block of the unprofiled timing
-
-
 def _timed_ms(one_step: Callable[[], None], timed_steps: int,
               next_s: list[float]) -> tuple[float, float, float]:
-    """The unprofiled step: the median over blocks of ``TIMED_BLOCK`` steps of their time per
-    step, from CUDA events on the current stream (a slow spell of the host falls in one block,
-    not in the result; the first step, which the GPU starts only after the host, is in none);
+    """The unprofiled step, from CUDA events on the current stream: the time per step from the
+    end of the first step, which the GPU starts only after the host, to the end of the last;
     the host's time in next() per step (``next_s`` accumulates it); and the pinned blocks the
     host allocator made meanwhile (a host that runs ahead may have new buffers pinned in the
     timed steps: not yet steady)."""
     torch.cuda.synchronize()
     allocs, waited = _host_allocs(), next_s[0]
     one_step()
-    marks, counts = [_recorded_event()], []
-    for first in range(1, timed_steps, TIMED_BLOCK):
-        counts.append(min(TIMED_BLOCK, timed_steps - first))
-        for _ in range(counts[-1]):
-            one_step()
-        marks.append(_recorded_event())
+    first = _recorded_event()
+    for _ in range(timed_steps - 1):
+        one_step()
+    last = _recorded_event()
     torch.cuda.synchronize()
-    step_ms = _median_block_ms([a.elapsed_time(b) for a, b in itertools.pairwise(marks)], counts)
+    step_ms = first.elapsed_time(last) / (timed_steps - 1) if timed_steps > 1 else float("nan")
     next_ms = (next_s[0] - waited) * 1e3 / max(timed_steps, 1)
     return step_ms, next_ms, _host_allocs() - allocs
-
-
-def _median_block_ms(elapsed_ms: list[float], counts: list[int]) -> float:
-    """The median over blocks of their time per step (nan for no block)."""
-    per_step = [ms / n for ms, n in zip(elapsed_ms, counts, strict=True)]
-    return statistics.median(per_step) if per_step else float("nan")
 
 
 def _recorded_event() -> torch.cuda.Event:
@@ -3202,8 +3189,8 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
     as many untimed steps as the workers hold batches, so that the queue the source's timing
     emptied fills again where the loader keeps ahead of the step, as in the rest of an epoch
     (from an empty queue, a pin-memory loader's timed steps read 7 % slower than the profiled
-    ones in notebook 09); then ``timed_steps`` are timed (by CUDA events, the median of blocks of
-    ``TIMED_BLOCK``), and one more and
+    ones in notebook 09); then ``timed_steps`` are timed (by CUDA events, from the end of the
+    first), and one more and
     ``steps`` run under the profiler (with Python stacks). ``checkup_batches`` says how many
     batches that is. The wait
     for each batch counts as part of its step. Returns a ``CheckupReport``: print it for a
