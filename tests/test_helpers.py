@@ -1823,7 +1823,10 @@ def _real_step_cases():
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(2048, 2048), nn.ReLU())])
     model = model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    x, y = torch.randn(4096, 2048, device=device), torch.randn(4096, 2048, device=device)
+    # batch 2048: about 4 ms of float32 kernels a step on an H100, so that a sync's idle (the
+    # host's relaunch, about 0.2 ms) is 5 % of the step, not the 2.3 % of batch 4096, which
+    # fell under the check-up's 3 % floor on 2 CPUs
+    x, y = torch.randn(2048, 2048, device=device), torch.randn(2048, 2048, device=device)
     index = torch.randint(0, 100, (4096,), device=device)
     tiny = nn.Sequential(*[nn.Linear(64, 64) for _ in range(60)]).to(device)
     tiny_optimizer = torch.optim.SGD(tiny.parameters(), lr=1e-4)
@@ -2209,14 +2212,15 @@ def _features(device, batch: int):
             for _ in range(2)]
 
 
-GPU_BOUND_BATCH = 1536
+GPU_BOUND_BATCH = 3072
 
 
 def _gpu_bound_item(device) -> _Ablation:
-    # GPU-bound with .item(): batch 1536 through the wide layers in float32 is about 12 ms of
-    # kernels a step on an H100 (over 60 on a T4) against about 5 ms of host time (measured
-    # behind a GPU sleep; at batch 1024, 8 ms of kernels left the check-up's host estimate too
-    # close to the GPU's to tell the step from a host-bound one); the batches are on the GPU.
+    # GPU-bound with .item(): batch 3072 through the wide layers in float32 is about 24 ms of
+    # kernels a step on an H100 (over 100 on a T4) against 5-7 ms of host time (measured behind
+    # a GPU sleep; at batch 1024 or 1536, 8 or 12 ms of kernels left the check-up's host
+    # estimate, which a few % of step time moves by 4x as much in such steps, too close to the
+    # GPU's to tell the step from a host-bound one on 2 CPUs); the batches are on the GPU.
     # Reading the loss every step makes the host wait for the GPU, which then waits for the
     # host to launch the next step's stem. The fix for scalar_read: the running loss kept on
     # the GPU, not read.
@@ -2238,27 +2242,31 @@ def _gpu_bound_item(device) -> _Ablation:
                      steps=12)
 
 
+class _ScalerThatDoesNotRead(torch.amp.GradScaler):
+    """GradScaler.step with the read of found_inf taken out (it steps whatever the gradients):
+    the same kernels as GradScaler, less the wait. An ablation, not advice."""
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
+
+
 def _fp16_grad_scaler(device) -> _Ablation:
     # fp16 with a GradScaler: the same kind of GPU-bound step under float16 autocast (batch
     # 49152: about 28 ms of kernels a step on an H100, against about 10 ms of host time:
     # autocast's casts double the stem's launches; at batch 8192 or 16384 the step was
-    # host-bound on the H100, 10-12 ms of host time to 6.7 or 9.3 of kernels). GradScaler.step reads
-    # found_inf on the host before the optimizer's step, every step: the GPU idles while the
-    # host launches the optimizer's step and the next stem.
-    # The fix: the same scaler with SGD(fused=True), whose step takes found_inf on the GPU, so
-    # that GradScaler.step reads nothing (the advice's second fix). Not bfloat16 without a
-    # scaler: a T4 has no bfloat16 kernels (the step would get slower, not faster), and on any
-    # GPU every kernel would change where the replay removes only the read. Plain SGD, no
-    # momentum: its foreach and fused steps move the same bytes, and the fused path's inf check
-    # replaces the unscale kernel of the same size, so the two loops differ by the read alone.
+    # host-bound on the H100, 10-12 ms of host time to 6.7 or 9.3 of kernels). GradScaler.step
+    # reads found_inf on the host before the optimizer's step, every step: the GPU idles while
+    # the host launches the optimizer's step and the next stem.
+    # The fix measured: the same scaler without its read (_ScalerThatDoesNotRead), what the
+    # replay removes. The advice's fixes change kernels as well: SGD(fused=True) measured
+    # 1.1 ms a step slower on the GPU than the foreach step with its unscale (28 ms steps), and
+    # bfloat16 would change every kernel (a T4 has none).
     from torch.nn import functional as F
 
     model = _stem_and_wide(device, stem=32)
-    params = list(model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
-    def loop(optimizer):
-        scaler = torch.amp.GradScaler(device.type)
-
+    def loop(scaler):
         def step(batch):
             inputs, labels = batch
             optimizer.zero_grad(set_to_none=True)
@@ -2272,8 +2280,8 @@ def _fp16_grad_scaler(device) -> _Ablation:
 
     batches = _cycling(_features(device, 49152))
     return _Ablation("grad_scaler", {
-        "as_is": (batches, loop(torch.optim.SGD(params, lr=1e-3))),
-        "fixed": (batches, loop(torch.optim.SGD(params, lr=1e-3, fused=True))),
+        "as_is": (batches, loop(torch.amp.GradScaler(device.type))),
+        "fixed": (batches, loop(_ScalerThatDoesNotRead(device.type))),
     }, steps=12)
 
 
