@@ -2024,6 +2024,10 @@ class _Ablation:
     loops: dict  # "as_is", "fixed", and other variants to measure
     steps: int  # steps per timed epoch
     data_checks: dict = field(default_factory=dict)  # data-movement kind -> the loop without it
+    #: the fix keeps the GPU busy back to back and its kernels run slower (the replay keeps each
+    #: kernel's duration): the prediction is checked between the measured saving and that plus
+    #: the kernels' measured slowdown (profiled kernel time, fixed less as_is)
+    kernels_slow_down: bool = False
 
 
 def _cycling(batches):
@@ -2260,7 +2264,10 @@ def _fp16_grad_scaler(device) -> _Ablation:
     # The fix measured: the same scaler without its read (_ScalerThatDoesNotRead), what the
     # replay removes. The advice's fixes change kernels as well: SGD(fused=True) measured
     # 1.1 ms a step slower on the GPU than the foreach step with its unscale (28 ms steps), and
-    # bfloat16 would change every kernel (a T4 has none).
+    # bfloat16 would change every kernel (a T4 has none). Even with the same kernels, run back
+    # to back without the read's idle they took 26.7-27.6 ms a step under the profiler against
+    # 24.6-24.7 with it (H100): the fix saves less than the replay, which keeps their durations,
+    # predicts (2.2 measured, 3.4 predicted).
     from torch.nn import functional as F
 
     model = _stem_and_wide(device, stem=32)
@@ -2282,7 +2289,7 @@ def _fp16_grad_scaler(device) -> _Ablation:
     return _Ablation("grad_scaler", {
         "as_is": (batches, loop(torch.amp.GradScaler(device.type))),
         "fixed": (batches, loop(_ScalerThatDoesNotRead(device.type))),
-    }, steps=12)
+    }, steps=12, kernels_slow_down=True)
 
 
 def _explicit_sync(device) -> _Ablation:
@@ -2408,7 +2415,15 @@ def test_checkup_predicts_what_its_top_fix_saves(case, float32_matmuls, monkeypa
         f"{measured:.3f} ms" + context)
     problems = []
     predicted = report.step_ms - top.predicted_step_ms
-    if not _within(predicted, measured, spread):
+    if ablation.kernels_slow_down:
+        fixed_batches, fixed_step = ablation.loops["fixed"]
+        slower = helpers.checkup(fixed_step, fixed_batches()).gpu_work_ms - report.gpu_work_ms
+        if not (measured - _slack(measured, spread) <= predicted
+                <= measured + max(slower, 0.0) + _slack(measured, spread)):
+            problems.append(f"{top.kind}: predicted saving {predicted:.3f} ms, measured "
+                            f"{measured:.3f} ms (spread {spread:.3f}), its kernels "
+                            f"{slower:.3f} ms a step slower with the fix")
+    elif not _within(predicted, measured, spread):
         problems.append(f"{top.kind}: predicted saving {predicted:.3f} ms ({report.step_ms:.3f}"
                         f" -> {top.predicted_step_ms:.3f} ms a step), measured {measured:.3f} ms"
                         f" ({ms['as_is']:.3f} -> {ms['fixed']:.3f}, spread {spread:.3f})")
