@@ -2437,6 +2437,9 @@ def test_checkup_predicts_what_its_top_fix_saves(case, float32_matmuls, monkeypa
         if not _at_most(priced, measured_saving, its_spread):
             problems.append(f"{kind} priced {priced:.3f} ms, but {variant} measures "
                             f"{measured_saving:.3f} ms saved (spread {its_spread:.3f})")
+    print(f"[{case}] {top.kind}: predicted {predicted:.3f} ms, measured {measured:.3f} ms "
+          f"(spread {spread:.3f}; as_is {ms['as_is']:.3f}, the check-up's own "
+          f"{own.step_ms:.3f})")  # shown by pytest -rA: how close a passing case came
     assert not problems, f"[{case}] " + f"\n[{case}] ".join(problems) + context
 
 
