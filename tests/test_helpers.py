@@ -2270,9 +2270,9 @@ def _fp16_grad_scaler(device) -> _Ablation:
     # reads found_inf on the host before the optimizer's step, every step: the GPU idles while
     # the host launches the optimizer's step and the next stem.
     # The fix measured: the same scaler without its read (_ScalerThatDoesNotRead), what the
-    # replay removes. The advice's fixes change kernels as well: SGD(fused=True) measured
-    # 1.1 ms a step slower on the GPU than the foreach step with its unscale (28 ms steps), and
-    # bfloat16 would change every kernel (a T4 has none). Even with the same kernels, run back
+    # replay removes. The advice's fixes change kernels as well: SGD(fused=True) replaces the
+    # foreach step and its unscale, and bfloat16 would change every kernel (a T4 has none).
+    # Even with the same kernels, run back
     # to back without the read's idle they took 26.7-27.6 ms a step under the profiler against
     # 24.6-24.7 with it (H100): the fix saves less than the replay, which keeps their durations,
     # predicts (2.2 measured, 3.4 predicted).
