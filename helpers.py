@@ -2227,7 +2227,7 @@ def _enclosing(context: list[dict], calls: list[dict]) -> dict[int, list[dict]]:
 # are scaled to next()'s unprofiled time and the host's time so that the replay runs at the
 # unprofiled pace, since the profiler slows the host only. Like it, each kernel keeps its
 # duration: a fix that keeps the GPU busy back to back can slow its kernels (fp16 GEMMs on an
-# H100 took 8 % longer a step without a GradScaler's read), and then saves less than predicted.
+# H100 took 8-12 % longer a step without a GradScaler's read), and saves less than predicted.
 
 
 @dataclass

@@ -2264,7 +2264,7 @@ class _ScalerThatDoesNotRead(torch.amp.GradScaler):
 
 def _fp16_grad_scaler(device) -> _Ablation:
     # fp16 with a GradScaler: the same kind of GPU-bound step under float16 autocast (batch
-    # 49152: about 28 ms of kernels a step on an H100, against about 10 ms of host time:
+    # 49152: about 25 ms of kernels a step on an H100, against about 10 ms of host time:
     # autocast's casts double the stem's launches; at batch 8192 or 16384 the step was
     # host-bound on the H100, 10-12 ms of host time to 6.7 or 9.3 of kernels). GradScaler.step
     # reads found_inf on the host before the optimizer's step, every step: the GPU idles while
