@@ -2174,22 +2174,33 @@ def _launch_bound_mnist(device) -> _Ablation:
                               "copy_exposed": "batches_on_gpu", "data_wait": "batches_on_gpu"})
 
 
+def _classifier_trainer(device, features: int):
+    """SGD with momentum on a classifier of ``features`` inputs, two hidden layers of 2048 and
+    10 classes, from seed 0 (the loader-bound and exposed-copy cases)."""
+    from torch import nn
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(features, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                          nn.Linear(2048, 10)).to(device)
+    return _trainer(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+                    F.cross_entropy)
+
+
+def _pinned_batches(n: int, rows: int, features: int) -> list:
+    """``n`` pinned batches of ``rows`` random samples of ``features`` floats, with labels."""
+    return [_pinned((torch.randn(rows, features), torch.randint(0, 10, (rows,))))
+            for _ in range(n)]
+
+
 def _loader_bound(device) -> _Ablation:
     # Loader-bound: a batch source that takes 15 ms a batch in the main process (time.sleep
     # stands in for decoding and augmenting on the CPU, num_workers=0) feeds a step of about
     # 1 ms of kernels on an H100 (about 8 on a T4) in a few large ones, so that the host's own
     # time stays well under the GPU's (not host_bound): the GPU waits for the data. The fix for
     # data_wait measured: the batches already on the GPU.
-    from torch import nn
-    from torch.nn import functional as F
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
-                          nn.Linear(2048, 10)).to(device)
-    train = _trainer(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
-                     F.cross_entropy)
-    pinned = [_pinned((torch.randn(1024, 2048), torch.randint(0, 10, (1024,))))
-              for _ in range(2)]
+    train = _classifier_trainer(device, features=2048)
+    pinned = _pinned_batches(2, rows=1024, features=2048)
     resident = [tuple(t.to(device) for t in batch) for batch in pinned]
 
     def slow(n=None):
@@ -2338,16 +2349,8 @@ def _exposed_copy(device) -> _Ablation:
     # T4's PCIe 3) runs before its step's kernels with none beside it. The fix for
     # copy_exposed: helpers.Prefetcher, which copies batch k+1 on a side stream under step k
     # (one prefetcher, so one side stream, for every epoch).
-    from torch import nn
-    from torch.nn import functional as F
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4096, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
-                          nn.Linear(2048, 10)).to(device)
-    train = _trainer(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
-                     F.cross_entropy)
-    pinned = [_pinned((torch.randn(4096, 4096), torch.randint(0, 10, (4096,))))
-              for _ in range(3)]
+    train = _classifier_trainer(device, features=4096)
+    pinned = _pinned_batches(3, rows=4096, features=4096)
     prefetched = iter(helpers.Prefetcher(itertools.cycle(pinned), device))
 
     def step(batch):
