@@ -1927,7 +1927,7 @@ BACK_TO_BACK_US = 1.0  # a device op this close behind the one before it on its 
 CROSS_STREAM_US = 5.0  # a device op that starts this long after its launch and its stream
 # allowed it waited for another stream (an event, cudaStreamWaitEvent)
 LAUNCH_US = 5.0  # a launch's host time when the trace has no launch to measure it by
-LINK_GBPS = 20.0  # pinned host-to-device rate when the trace has no pinned copy to measure
+LINK_GBPS = 20.0  # pinned host-to-device rate, for a trace read alone with no pinned copy in it
 HOST_AHEAD = 0.5  # latent costs are priced with the host's time at this share of the GPU's
 LATER_RATIO = 1.5  # a latent cause costs at least this much more once the host keeps ahead
 
@@ -3099,6 +3099,25 @@ def checkup_batches(workers: int = 0, prefetch_factor: int = 2, *, steps: int = 
     return (warmup + 2 * workers * prefetch_factor + loader_batches + timed_steps + 1 + steps)
 
 
+@cache
+def _pinned_link_gbps(nbytes: int = 16 * 2**20) -> float:
+    """The link's rate from page-locked memory to the device (GB/s), measured once a process:
+    the median of 10 copies of ``nbytes``, what a pageable copy would run at once pinned (the
+    replay's price for it where the trace has no pinned copy). The buffer is page-locked with
+    cudaHostRegister, not taken from PyTorch's caching host allocator, so the pinned memory
+    cached after a check-up is the step's own (notebook 09 reports it)."""
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    cudart = torch.cuda.cudart()
+    cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)
+    try:
+        target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        timing = time_cuda(lambda: target.copy_(host, non_blocking=True), warmup=2, repeat=10)
+    finally:
+        torch.cuda.synchronize()
+        cudart.cudaHostUnregister(host.data_ptr())
+    return timing.gbps(nbytes)
+
+
 def _host_allocs() -> float:
     """Pinned blocks the caching host allocator has made so far (nan where it cannot say)."""
     try:
@@ -3244,6 +3263,7 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
             close()
         source = None  # a DataLoader iterator shuts its workers down when it is dropped
     report = analyze_checkup_trace(trace, steps, step_ms, loader_ms,
+                                   link_gbps=_pinned_link_gbps(),
                                    next_ms=next_ms if batches is not None else float("nan"))
     report.host_allocs_timed = allocs
     return report

@@ -1919,6 +1919,18 @@ def test_checkup_names_the_cause_and_its_cost_on_a_real_step(case):
 
 
 @needs_cuda
+def test_the_checkups_link_rate_is_measured_without_caching_pinned_memory():
+    helpers._pinned_link_gbps.cache_clear()
+    helpers.empty_pinned_cache()
+    held = helpers.pinned_pool()["held_bytes"]
+    gbps = helpers._pinned_link_gbps()
+    assert helpers.pinned_pool()["held_bytes"] == held  # page-locked apart from the cache
+    # a pinned copy beats the slowest link a CUDA GPU has (PCIe 3 x4, 3.9 GB/s in theory) and
+    # no link runs faster than NVLink-C2C's 450 GB/s a direction
+    assert 3.0 < gbps < 450.0, gbps
+
+
+@needs_cuda
 def test_checkup_times_a_slow_loader_at_its_steady_pace():
     from torch.utils.data import DataLoader, Dataset
 
