@@ -1971,7 +1971,7 @@ class CheckupReport:
     """What ``checkup`` saw; times per step in milliseconds, bytes per step."""
 
     steps: int
-    step_ms: float  # unprofiled: host clock over ``timed_steps``, synchronised at both ends
+    step_ms: float  # unprofiled: CUDA events from the end of the first timed step to the last
     profiled_step_ms: float  # under the profiler: one step's period on the GPU
     gpu_busy: float  # kernel time of a step / the unprofiled step time
     h2d_pageable: tuple[float, float]  # (copies, bytes) per step
@@ -3895,8 +3895,9 @@ class CheckpointLoader:
     """
 
     READS = ("pread", "mmap")
-    # More readers can still read faster alone, but not load faster: the thread that queues the
-    # copies waits for a CPU and the GIL among them (notebook 12's sweep of thread counts)
+    # More readers can still read faster alone, while the load gains less, if at all (notebook
+    # 12's sweep of thread counts); a cap keeps the thread that queues the copies from competing
+    # with many readers for CPUs and the GIL
     MAX_THREADS = 8
     MIN_SLOTS = 16
 
