@@ -1873,6 +1873,8 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 # --------------------------------------------------------------------------------------------
 
 STEP_MARK, NEXT_MARK = "checkup: step", "checkup: next batch"
+#: the release of a step's batch: a loader's shared memory, unmapped on this thread
+RELEASE_MARK = "checkup: release batch"
 SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
                         "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"})
 #: copies that return only when done; an async one blocks too when its host side is pageable
@@ -1918,7 +1920,8 @@ ADVICE = {
 #: data_wait where the batch source alone keeps ahead of the step: the wait is next()'s own
 #: work on the step's thread (taking the batch from the workers), not the loader's pace
 KEEPS_UP_ADVICE = ("the loader keeps up, but next() takes each batch from the workers on this "
-                   "thread: DataLoader(pin_memory=True) does that on its pin thread", ("06", "09"))
+                   "thread, and its shared memory is freed here after the step: "
+                   "DataLoader(pin_memory=True) does both on its pin thread", ("06", "09"))
 PER_STEP = 0.5  # a cause seen in at least every other step is part of the step
 #: a finding saves at least this share of the step, or this many milliseconds
 MIN_SAVING_SHARE, MIN_SAVING_MS = 0.03, 0.05
@@ -1979,7 +1982,7 @@ class CheckupReport:
     d2h: tuple[float, float]
     syncs: dict[str, float]  # cause -> synchronisations per step, on every thread of the step
     host_wait_ms: float  # in them and in copies that block, per step
-    data_wait_ms: float  # in next(batches), per step
+    data_wait_ms: float  # in next(batches) and releasing the batch after its step, per step
     #: cause -> the step time the replay saves without it, per step at the unprofiled pace
     #: (every cause seen, findings or not; "host_bound": with no host time outside waits)
     savings_ms: dict[str, float]
@@ -2089,7 +2092,7 @@ class CheckupReport:
             ("D2H copies", copies(self.d2h)),
             ("synchronisations, by cause", per_cause(self.syncs)),
             ("host waiting in them", f"{self.host_wait_ms:.3g} ms"),
-            ("host waiting for the next batch", f"{self.data_wait_ms:.3g} ms")]
+            ("host taking and freeing batches", f"{self.data_wait_ms:.3g} ms")]
 
     def __str__(self) -> str:
         width = max(len(name) for name, _ in self.rows())
@@ -2241,7 +2244,7 @@ class _Profile:
     launch_of: dict  # correlation -> the CUDA call that issued it (any thread, any time)
     device: list[dict]  # kernels, copies and memsets, by start
     direction: dict  # a copy's correlation -> ("h2d_pageable" | "h2d_pinned" | "d2h", pageable)
-    data_waits: list[tuple[float, float]]  # in next(batches), on the step's thread
+    data_waits: list[tuple[float, float]]  # in next(batches) or the release, step's thread
     context: list[dict]  # cpu ops and Python frames: the stacks of the calls
     host_busy: list[tuple[float, float]]  # when the step's threads ran an op or a Python frame
 
@@ -2289,8 +2292,8 @@ def _read_profile(trace: dict | list, steps: int) -> _Profile:
                    if c.get("args", {}).get("correlation") is not None},
         device=device, direction=direction,
         data_waits=[(e["ts"], e["ts"] + e["dur"]) for e in events
-                    if e.get("cat") == "user_annotation" and e["name"] == NEXT_MARK
-                    and (e["pid"], e["tid"]) == main],
+                    if e.get("cat") == "user_annotation"
+                    and e["name"] in (NEXT_MARK, RELEASE_MARK) and (e["pid"], e["tid"]) == main],
         context=context,
         host_busy=_union((e["ts"], e["ts"] + e["dur"]) for e in context
                          if (e["pid"], e["tid"]) in threads))
@@ -3018,7 +3021,8 @@ def _seen(kind, label, where, per_step, report) -> str:
     if kind == "data_wait":
         source = (f"; the batch source alone takes {report.loader_ms:.3g} ms a batch"
                   if report.loader_ms == report.loader_ms else "")
-        return f"the host waits {report.data_wait_ms:.3g} ms a step for the next batch{source}"
+        return (f"the host spends {report.data_wait_ms:.3g} ms a step taking the next batch and "
+                f"freeing the last{source}")
     if kind == "host_bound":
         return (f"the host is busy {report.host_busy_ms:.3g} ms a step outside waits, the GPU "
                 f"{report.gpu_work_ms:.3g} ms; {report.short_kernels:.0%} of kernels are "
@@ -3031,14 +3035,15 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
                           link_gbps: float = LINK_GBPS,
                           next_ms: float = float("nan")) -> CheckupReport:
     """Read a Chrome trace of ``steps`` steps, each marked with ``record_function(STEP_MARK)``
-    (and the wait for its batch with ``NEXT_MARK``), into a ``CheckupReport``.
+    (the wait for its batch with ``NEXT_MARK``, the batch's release after it with
+    ``RELEASE_MARK``), into a ``CheckupReport``.
 
     The trace becomes a dependency graph of the steps (host lane, device ops, launches, waits)
     that a replay runs as it ran (``replay_fidelity``: its step over the profiled one) and with
     each cause removed: a cause's cost is the step time that saves. With ``step_ms`` (the
     unprofiled step) the host's time is scaled so that the replay runs at that pace, since the
     profiler slows the host but not the kernels. With ``next_ms`` (the unprofiled time in
-    next(batches) per step) the waits for data are scaled to it first: the profiler slows the
+    next(batches) and the release per step) the waits for data are scaled to it first: the profiler slows the
     Python inside next() too (a prefetcher's, say), which no host scale reaches. ``link_gbps``:
     the pinned copy rate to assume when the trace has no pinned copy to measure it by."""
     profile = _read_profile(trace, steps)
@@ -3154,7 +3159,7 @@ def _timed_ms(one_step: Callable[[], None], timed_steps: int,
               next_s: list[float]) -> tuple[float, float, float]:
     """The unprofiled step, from CUDA events on the current stream: the time per step from the
     end of the first step, which the GPU starts only after the host, to the end of the last;
-    the host's time in next() per step (``next_s`` accumulates it); and the pinned blocks the
+    the host's time in next() and the batch's release per step (``next_s`` accumulates it); and the pinned blocks the
     host allocator made meanwhile (a host that runs ahead may have new buffers pinned in the
     timed steps: not yet steady)."""
     torch.cuda.synchronize()
@@ -3215,7 +3220,9 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
     first), and one more and
     ``steps`` run under the profiler (with Python stacks). ``checkup_batches`` says how many
     batches that is. The wait
-    for each batch counts as part of its step. Returns a ``CheckupReport``: print it for a
+    for each batch counts as part of its step, and so does its release after the step (a
+    worker's batch in shared memory is unmapped there: 2.4 ms a step in notebook 09's usual
+    loop, which pin_memory=True moves to the loader's pin thread). Returns a ``CheckupReport``: print it for a
     table, the findings (costliest first, each with what to change, the step time predicted
     without it and the notebook that measures why) and the latent ones.
     """
@@ -3248,6 +3255,10 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
                 batch = take()
             next_s[0] += time.perf_counter() - began
             step(batch)
+            began = time.perf_counter()
+            with record_function(RELEASE_MARK):  # a worker's batch: its shared memory unmapped
+                del batch
+            next_s[0] += time.perf_counter() - began
 
     loader_ms = float("nan")
     try:
