@@ -1922,6 +1922,9 @@ ADVICE = {
 KEEPS_UP_ADVICE = ("the loader keeps up, but next() takes each batch from the workers on this "
                    "thread, and its shared memory is freed here after the step: "
                    "DataLoader(pin_memory=True) does both on its pin thread", ("06", "09"))
+HANDOVER_ADVICE = ("the loader keeps up: what is left is next()'s own hand-over on this thread, "
+                   "which the GPU stops waiting for once the host runs ahead of it (no wait for "
+                   "the GPU every step)", ("05", "09"))
 PER_STEP = 0.5  # a cause seen in at least every other step is part of the step
 #: a finding saves at least this share of the step, or this many milliseconds
 MIN_SAVING_SHARE, MIN_SAVING_MS = 0.03, 0.05
@@ -2226,9 +2229,10 @@ def _enclosing(context: list[dict], calls: list[dict]) -> dict[int, list[dict]]:
 # graph as the optimisation would, and simulate it. Unlike Daydream, the graph here has one
 # host lane (the step's threads in time order), no mapping of work to layers and no
 # framework-level transformations (fusing, reordering, distributed training): a fix only
-# changes durations (a host call, a copy) and drops waits. Also unlike it, the waits for data
-# are scaled to next()'s unprofiled time and the host's time so that the replay runs at the
-# unprofiled pace, since the profiler slows the host only. Like it, each kernel keeps its
+# changes durations (a host call, a copy) and drops waits. Also unlike it, the host's time on
+# batches (next(), and freeing each batch after its step) is scaled to its unprofiled time, and
+# the rest of the host's time so that the replay runs at the unprofiled pace, since the profiler
+# slows the host only. Like it, each kernel keeps its
 # duration: a fix that keeps the GPU busy back to back can slow its kernels (fp16 GEMMs on an
 # H100 took 8-12 % longer a step without a GradScaler's read), and saves less than predicted.
 
@@ -3005,11 +3009,12 @@ def _latent(report: CheckupReport, graph: _StepGraph, fixes: dict, keys: list, s
 
 def _advice(kind: str, report: CheckupReport, reference_ms: float) -> tuple[str, tuple]:
     """What to change for ``kind``: for ``data_wait``, where the source alone takes less than
-    the rest of the step (it keeps up) and hands out pageable batches (no pin thread), the wait
-    is next()'s own work, not the loader's pace."""
+    the rest of the step (it keeps up), the wait is not the loader's pace but next()'s own work:
+    with pageable batches (no pin thread), taking them from the workers and freeing them here;
+    with pinned ones, the hand-over, which costs the GPU only while the host waits for it."""
     keeps_up = report.loader_ms < reference_ms - report.data_wait_ms
-    if kind == "data_wait" and keeps_up and report.h2d_pageable[0] > 0:
-        return KEEPS_UP_ADVICE
+    if kind == "data_wait" and keeps_up:
+        return KEEPS_UP_ADVICE if report.h2d_pageable[0] > 0 else HANDOVER_ADVICE
     return ADVICE[kind]
 
 

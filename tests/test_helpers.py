@@ -1210,7 +1210,8 @@ def test_checkup_trace_sees_the_gpu_idle_waiting_for_data_and_ignores_other_thre
 
     for loader_ms, source, advice in ((0.2, pageable, "pin_memory=True"),
                                       (0.9, pageable, "does not keep up"),
-                                      (0.2, body, "does not keep up")):  # pinned already
+                                      (0.2, body, "hand-over"),  # pinned already
+                                      (0.9, body, "does not keep up")):
         report = helpers.analyze_checkup_trace(_step_trace(1000, source, steps=3), steps=3,
                                                step_ms=1.0, loader_ms=loader_ms)
         finding = next(f for f in report.findings if f.kind == "data_wait")
