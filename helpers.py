@@ -3875,8 +3875,9 @@ class CheckpointLoader:
     """
 
     READS = ("pread", "mmap")
-    # More readers can still read faster alone, but not load faster: the thread that queues the
-    # copies waits for a CPU and the GIL among them (notebook 12's sweep of thread counts)
+    # More readers can still read faster alone, while the load gains less, if at all (notebook
+    # 12's sweep of thread counts); a cap keeps the thread that queues the copies from competing
+    # with many readers for CPUs and the GIL
     MAX_THREADS = 8
     MIN_SLOTS = 16
 
