@@ -3048,8 +3048,9 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
     each cause removed: a cause's cost is the step time that saves. With ``step_ms`` (the
     unprofiled step) the host's time is scaled so that the replay runs at that pace, since the
     profiler slows the host but not the kernels. With ``next_ms`` (the unprofiled time in
-    next(batches) and the release per step) the waits for data are scaled to it first: the profiler slows the
-    Python inside next() too (a prefetcher's, say), which no host scale reaches. ``link_gbps``:
+    next(batches) and the release per step) the waits for data are scaled to it first: the
+    profiler slows the Python inside next() too (a prefetcher's, say), which no host scale
+    reaches. ``link_gbps``:
     the pinned copy rate to assume when the trace has no pinned copy to measure it by."""
     profile = _read_profile(trace, steps)
     cause_of_call, cause_of_copy = _blocking_causes(profile)
@@ -3164,9 +3165,9 @@ def _timed_ms(one_step: Callable[[], None], timed_steps: int,
               next_s: list[float]) -> tuple[float, float, float]:
     """The unprofiled step, from CUDA events on the current stream: the time per step from the
     end of the first step, which the GPU starts only after the host, to the end of the last;
-    the host's time in next() and the batch's release per step (``next_s`` accumulates it); and the pinned blocks the
-    host allocator made meanwhile (a host that runs ahead may have new buffers pinned in the
-    timed steps: not yet steady)."""
+    the host's time in next() and the batch's release per step (``next_s`` accumulates it); and
+    the pinned blocks the host allocator made meanwhile (a host that runs ahead may have new
+    buffers pinned in the timed steps: not yet steady)."""
     torch.cuda.synchronize()
     allocs, waited = _host_allocs(), next_s[0]
     one_step()
@@ -3227,9 +3228,9 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
     batches that is. The wait
     for each batch counts as part of its step, and so does its release after the step (a
     worker's batch in shared memory is unmapped there: 2.4 ms a step in notebook 09's usual
-    loop, which pin_memory=True moves to the loader's pin thread). Returns a ``CheckupReport``: print it for a
-    table, the findings (costliest first, each with what to change, the step time predicted
-    without it and the notebook that measures why) and the latent ones.
+    loop, which pin_memory=True moves to the loader's pin thread). Returns a ``CheckupReport``:
+    print it for a table, the findings (costliest first, each with what to change, the step
+    time predicted without it and the notebook that measures why) and the latent ones.
     """
     from torch.profiler import record_function
 
