@@ -2486,7 +2486,8 @@ def test_checkup_predicts_what_its_top_fix_saves(case, float32_matmuls, monkeypa
                             f"{measured_saving:.3f} ms saved (spread {its_spread:.3f})")
     print(f"[{case}] {top.kind}: predicted {predicted:.3f} ms, measured {measured:.3f} ms "
           f"(spread {spread:.3f}; as_is {ms['as_is']:.3f}, the check-up's own "
-          f"{own.step_ms:.3f})")  # shown by pytest -rA: how close a passing case came
+          f"{own.step_ms:.3f}; host busy {report.host_busy_ms:.3f}, GPU work "
+          f"{report.gpu_work_ms:.3f})")  # shown by pytest -rA: how close a passing case came
     assert not problems, f"[{case}] " + f"\n[{case}] ".join(problems) + context
 
 
