@@ -1915,24 +1915,32 @@ def _real_step_cases():
     }
 
 
+def _checkup_priced_again(monkeypatch, step, batches=None):
+    """``helpers.checkup`` of ``step`` over 50 timed steps, and a function that prices its trace
+    again at another step time (the median of rounds timed in turns): the replay checked
+    against rounds, not against a check-up's own timing minutes earlier. 50 timed steps: in 20,
+    one slow spell of the host (a 17 ms step among 6 ms ones on the H100) moved the step enough
+    to have host_bound named beside a real step's cause."""
+    analyze, kept = helpers.analyze_checkup_trace, []
+
+    def keep(trace, steps, *args, **kwargs):
+        kept.append((trace, steps, args, kwargs))
+        return analyze(trace, steps, *args, **kwargs)
+
+    monkeypatch.setattr(helpers, "analyze_checkup_trace", keep)
+    report = helpers.checkup(step, batches, timed_steps=50)
+    monkeypatch.setattr(helpers, "analyze_checkup_trace", analyze)
+    trace, steps, (_, loader_ms), kwargs = kept[0]
+    return report, lambda step_ms: analyze(trace, steps, step_ms, loader_ms, **kwargs)
+
+
 @needs_cuda
 @pytest.mark.parametrize("case", ["item_in_backward", "unique", "repeat_interleave", "bincount",
                                   "constant_each_step", "nonfinite_check", "old_event_read",
                                   "host_bound", "grad_scaler"])
 def test_checkup_names_the_cause_and_its_cost_on_a_real_step(case, monkeypatch):
     step, clean, expected, word = _real_step_cases()[case]
-    analyses = []  # the check-up's trace, kept to be priced again at the rounds' step
-
-    def keep(trace, steps, *args, **kwargs):
-        analyses.append((trace, steps, args, kwargs))
-        return analyze(trace, steps, *args, **kwargs)
-
-    analyze = helpers.analyze_checkup_trace
-    monkeypatch.setattr(helpers, "analyze_checkup_trace", keep)
-    # 50 timed steps: one slow spell of the host (a 17 ms step among 6 ms ones on the H100) in
-    # 20 of them moved the step enough to have host_bound named beside the cause
-    report = helpers.checkup(step, timed_steps=50)
-    monkeypatch.setattr(helpers, "analyze_checkup_trace", analyze)
+    report, priced_at = _checkup_priced_again(monkeypatch, step)
     assert report.kinds == expected, str(report)
     assert all(word in str(f) for f in report.findings), str(report)
     if clean is None:  # host-bound: the GPU's own work is the floor
@@ -1945,8 +1953,7 @@ def test_checkup_names_the_cause_and_its_cost_on_a_real_step(case, monkeypatch):
         rounds = helpers.interleaved_step_ms({"as_is": (epoch, lambda _: step()),
                                               "clean": (epoch, lambda _: clean())})
         explained, spread = _saving_by_round(rounds["as_is"], rounds["clean"])
-        trace, steps, (_, loader_ms), kwargs = analyses[0]
-        priced = analyze(trace, steps, statistics.median(rounds["as_is"]), loader_ms, **kwargs)
+        priced = priced_at(statistics.median(rounds["as_is"]))
         cost = sum(priced.saving_ms(kind) for kind in expected)
     assert abs(cost - explained) <= max(0.25 * abs(explained), 0.5, 2 * spread), (
         cost, explained, spread)
@@ -2425,22 +2432,12 @@ def float32_matmuls():
 def test_checkup_predicts_what_its_top_fix_saves(case, float32_matmuls, monkeypatch):
     ablation = ABLATIONS[case](torch.device("cuda"))
     batches, step = ablation.loops["as_is"]
-    analyses = []  # the check-up's trace, kept to be priced again at the rounds' step
-
-    def keep(trace, steps, *args, **kwargs):
-        analyses.append((trace, steps, args, kwargs))
-        return analyze(trace, steps, *args, **kwargs)
-
-    analyze = helpers.analyze_checkup_trace
-    monkeypatch.setattr(helpers, "analyze_checkup_trace", keep)
-    own = helpers.checkup(step, batches(), timed_steps=50)
-    monkeypatch.setattr(helpers, "analyze_checkup_trace", analyze)
+    own, priced_at = _checkup_priced_again(monkeypatch, step, batches())
     rounds = helpers.interleaved_step_ms({
         name: (functools.partial(make, ablation.steps), loop_step)
         for name, (make, loop_step) in ablation.loops.items()})
     ms = {name: statistics.median(values) for name, values in rounds.items()}
-    trace, steps, (_, loader_ms), kwargs = analyses[0]
-    report = analyze(trace, steps, ms["as_is"], loader_ms, **kwargs)
+    report = priced_at(ms["as_is"])
     measured, spread = _saving_by_round(rounds["as_is"], rounds["fixed"])
     timed = "; ".join(f"{name} {ms[name]:.3f} ms ({', '.join(f'{v:.3f}' for v in values)})"
                       for name, values in rounds.items())
