@@ -1809,10 +1809,12 @@ def test_checkup_names_exactly_the_planted_defect(planted):
     cases, pinned = _planted_steps()
     step, source = cases[planted]
     if source == "prefetched":  # the clean step: pinned batches, copied one step ahead
-        source = helpers.Prefetcher(itertools.islice(itertools.cycle(pinned), 40))
+        source = helpers.Prefetcher(itertools.islice(itertools.cycle(pinned), 80))
     else:
         source = itertools.cycle(source)
-    report = helpers.checkup(step, source, steps=6, timed_steps=5, warmup=2)
+    # checkup's own numbers of steps: over 5 timed steps, one slow next() (0.128 ms a step
+    # against about 0.05 as a rule, on the H100) made a data_wait finding of 3.1 % of the step
+    report = helpers.checkup(step, source)
     assert report.kinds == ({planted} if planted else set()), str(report)
     if planted is None:
         assert report.gpu_busy > 0.9 and report.h2d_pinned[0] == pytest.approx(1)
