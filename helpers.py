@@ -582,14 +582,18 @@ def interleaved_step_ms(loops: dict[str, tuple[Callable[[], Iterable], Callable[
                         *, rounds: int = 7, warmup: int = 1, skip: int = 2, tail: int = 0,
                         after: Callable[[str], object] | None = None) -> dict[str, list[float]]:
     """Time per step of several loops (name: (make_batches, step)), one epoch of each in turn
-    (A B C A B C...) for ``warmup + rounds`` rounds, so that a slow spell of the host or the GPU
-    falls on all of them rather than on whichever was being measured. Returns each loop's time
-    per step in every timed round (:func:`epoch_step_ms`), in round order, so that a caller can
-    compare loops round by round and see an outlier. ``after(name)`` runs, untimed, after each
-    epoch, warm-up epochs included (to check a result, say)."""
+    for ``warmup + rounds`` rounds, so that a slow spell of the host or the GPU falls on all of
+    them rather than on whichever was being measured; the order is reversed every other round
+    (A B C, C B A, A B C...), so that a host that drifts over a few seconds favours no loop for
+    its place in the round. Returns each loop's time per step in every timed round
+    (:func:`epoch_step_ms`), in round order, so that a caller can compare loops round by round
+    and see an outlier. ``after(name)`` runs, untimed, after each epoch, warm-up epochs included
+    (to check a result, say). Notebook 07."""
     per_round: dict[str, list[float]] = {name: [] for name in loops}
+    names = list(loops)
     for index in range(warmup + rounds):
-        for name, (make_batches, step) in loops.items():
+        for name in names if index % 2 == 0 else reversed(names):
+            make_batches, step = loops[name]
             ms = epoch_step_ms(make_batches, step, skip=skip, tail=tail)
             if after is not None:
                 after(name)

@@ -735,22 +735,9 @@ def test_interleaved_step_ms_takes_the_loops_in_turn(monkeypatch):
     loops = {"a": (lambda: "a", None), "b": (lambda: "b", None)}
     per_round = helpers.interleaved_step_ms(loops, rounds=2, warmup=1, skip=3, tail=1,
                                             after=lambda name: log.append(name))
-    assert log == [("a", 3, 1), "a", ("b", 3, 1), "b"] * 3
-    assert per_round == {"a": [2.0, 4.0], "b": [3.0, 5.0]}  # warm-up round dropped
-
-
-def test_ablation_rounds_alternate_the_turn_order(monkeypatch):
-    order, times = [], iter(range(100))
-
-    def fake_epoch(make_batches, step, *, skip, tail):
-        order.append(make_batches())
-        return float(next(times))
-
-    monkeypatch.setattr(helpers, "epoch_step_ms", fake_epoch)
-    loops = {name: (lambda name=name: name, None) for name in "abc"}
-    timed = _rounds_in_alternating_order(loops, rounds=3)
-    assert "".join(order) == "abc" + "abc" + "cba" + "abc"  # a warm-up round, then 3 timed
-    assert timed == {"a": [3.0, 8.0, 9.0], "b": [4.0, 7.0, 10.0], "c": [5.0, 6.0, 11.0]}
+    a, b = [("a", 3, 1), "a"], [("b", 3, 1), "b"]
+    assert log == a + b + b + a + a + b  # the order reversed every other round
+    assert per_round == {"a": [3.0, 4.0], "b": [2.0, 5.0]}  # warm-up round dropped
 
 
 def test_interleaved_gated_pairs_the_cases_round_by_round(monkeypatch):
@@ -2103,20 +2090,6 @@ class _Ablation:
     rounds: int = 7
 
 
-def _rounds_in_alternating_order(loops: dict, rounds: int) -> dict[str, list[float]]:
-    """helpers.interleaved_step_ms's rounds (after one warm-up round), with the turn order
-    reversed every other round (A B C, C B A, A B C...): a host that slows or speeds up over a
-    few seconds then favours no loop for its place in the round."""
-    helpers.interleaved_step_ms(loops, rounds=0, warmup=1)
-    names, timed = list(loops), {name: [] for name in loops}
-    for index in range(rounds):
-        order = names if index % 2 == 0 else names[::-1]
-        for name, ms in helpers.interleaved_step_ms({n: loops[n] for n in order}, rounds=1,
-                                                    warmup=0).items():
-            timed[name] += ms
-    return timed
-
-
 def _cycling(batches):
     """``batches`` over and over: ``n`` of them (endless for None)."""
     return lambda n=None: itertools.islice(itertools.cycle(batches), n)
@@ -2475,9 +2448,9 @@ def test_checkup_predicts_what_its_top_fix_saves(case, float32_matmuls, monkeypa
     ablation = ABLATIONS[case](torch.device("cuda"))
     batches, step = ablation.loops["as_is"]
     own, priced_at = _checkup_priced_again(monkeypatch, step, batches())
-    rounds = _rounds_in_alternating_order({
+    rounds = helpers.interleaved_step_ms({
         name: (functools.partial(make, ablation.steps), loop_step)
-        for name, (make, loop_step) in ablation.loops.items()}, ablation.rounds)
+        for name, (make, loop_step) in ablation.loops.items()}, rounds=ablation.rounds)
     ms = {name: statistics.median(values) for name, values in rounds.items()}
     report = priced_at(ms["as_is"])
     measured, spread = _saving_by_round(rounds["as_is"], rounds["fixed"])
