@@ -1932,6 +1932,7 @@ HANDOVER_ADVICE = ("the loader keeps up: what is left is next()'s own hand-over 
 PER_STEP = 0.5  # a cause seen in at least every other step is part of the step
 #: a finding saves at least this share of the step, or this many milliseconds
 MIN_SAVING_SHARE, MIN_SAVING_MS = 0.03, 0.05
+PACED_COPY_BYTES, SLOW_COPY_SHARE = 8 << 20, 0.8  # a copy the profiler slowed (_pace_slow_copies)
 STEADY_RATIO = 1.25  # timed and profiled steps (or the first profiled step and the rest) agree
 BACK_TO_BACK_US = 1.0  # a device op this close behind the one before it on its stream queued
 CROSS_STREAM_US = 5.0  # a device op that starts this long after its launch and its stream
@@ -2005,6 +2006,9 @@ class CheckupReport:
     short_kernels: float = float("nan")  # share of kernels shorter than their launch call
     launch_queue: float = float("nan")  # kernels launched and not begun, on average
     host_allocs_timed: float = float("nan")  # pinned blocks the host allocator made while timed
+    #: large pinned copies the profiler slowed, replayed at the link's rate measured apart
+    paced_copies: int = 0
+    link_gbps: float = float("nan")  # that rate, unprofiled (not measured: nan)
     #: the share of the profiled host time that matches the unprofiled step (0: the replay's
     #: device floor alone already takes the timed step's time)
     host_scale: float = float("nan")
@@ -2106,6 +2110,10 @@ class CheckupReport:
         lines = [f"per step, over {self.steps} profiled steps"]
         lines += [f"  {name:<{width}}  {value}" for name, value in self.rows()]
         lines += [f"  ! {note}" for note in self.unsteady()]
+        if self.paced_copies:  # the profiler's slowness, not the step's: no finding priced it
+            lines += [f"  ! {self.paced_copies} pinned copies ran under {SLOW_COPY_SHARE:.0%} of "
+                      f"the link's {self.link_gbps:.3g} GB/s while profiled: the replay ran "
+                      f"them at that rate"]
         lines += ["findings, costliest first:"]
         lines += [f"  - {f}" for f in self.findings] or ["  none"]
         if self.latent:
@@ -2802,6 +2810,26 @@ def _launch_us(graph: _StepGraph) -> float:
     return statistics.median(times) if times else LAUNCH_US
 
 
+def _pace_slow_copies(graph: _StepGraph, link_gbps: float) -> int:
+    """Pinned host-to-device copies of at least PACED_COPY_BYTES that ran under
+    SLOW_COPY_SHARE of ``link_gbps`` (measured apart, unprofiled) with no other such copy beside
+    them take the time the link's rate gives: the profiler can slow a copy (once in 13 runs of
+    the exposed-copy ablation on the H100: 31 GB/s against 54), and the replay would price the
+    slowness as the copy's. Returns how many were paced."""
+    copies = sorted((op for op in graph.device if op.kind == "H2D" and not op.pageable),
+                    key=lambda op: op.start_us)
+    paced = 0
+    for i, op in enumerate(copies):
+        alone = all(other.start_us >= op.start_us + op.dur_us
+                    or other.start_us + other.dur_us <= op.start_us
+                    for other in copies[max(i - 1, 0):i] + copies[i + 1:i + 2])
+        link_us = op.nbytes / (link_gbps * 1e3)
+        if alone and op.nbytes >= PACED_COPY_BYTES and link_us < SLOW_COPY_SHARE * op.dur_us:
+            op.dur_us = link_us
+            paced += 1
+    return paced
+
+
 def _link_rate(graph: _StepGraph, link_gbps: float) -> float:
     """Bytes per microsecond of a pinned host-to-device copy: measured on those in the trace."""
     pinned = [op for op in graph.device
@@ -3041,7 +3069,7 @@ def _seen(kind, label, where, per_step, report) -> str:
 
 def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float("nan"),
                           loader_ms: float = float("nan"), *,
-                          link_gbps: float = LINK_GBPS,
+                          link_gbps: float = float("nan"),
                           next_ms: float = float("nan")) -> CheckupReport:
     """Read a Chrome trace of ``steps`` steps, each marked with ``record_function(STEP_MARK)``
     (the wait for its batch with ``NEXT_MARK``, the batch's release after it with
@@ -3054,8 +3082,9 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
     profiler slows the host but not the kernels. With ``next_ms`` (the unprofiled time in
     next(batches) and the release per step) the waits for data are scaled to it first: the
     profiler slows the Python inside next() too (a prefetcher's, say), which no host scale
-    reaches. ``link_gbps``:
-    the pinned copy rate to assume when the trace has no pinned copy to measure it by."""
+    reaches. ``link_gbps``, the pinned copy rate measured apart (unprofiled): the price of a
+    pageable copy made pinned when the trace has no pinned copy to measure it by (not given:
+    LINK_GBPS), and the pace of a large pinned copy that the profiler slowed."""
     profile = _read_profile(trace, steps)
     cause_of_call, cause_of_copy = _blocking_causes(profile)
     graph = _step_graph(profile, cause_of_call, cause_of_copy)
@@ -3065,12 +3094,16 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
     if next_ms == next_ms and report.data_wait_ms > 0:
         _scale_data_waits(graph, next_ms / report.data_wait_ms)
         report.data_wait_ms = next_ms
+    if link_gbps == link_gbps:
+        report.link_gbps = link_gbps
+        report.paced_copies = _pace_slow_copies(graph, link_gbps)
     scale = report.host_scale = _calibrate(graph, step_ms * 1e3)
     report.replay_step_ms = _replay_period(graph, _Change(host_scale=scale)) / 1e3
     short, queue, host_us, device_us = _launch_evidence(graph)
     report.short_kernels, report.launch_queue = short, queue
     report.host_busy_ms, report.gpu_work_ms = host_us * scale / 1e3, device_us / 1e3
-    fixes = _fixes(graph, _launch_us(graph), _link_rate(graph, link_gbps))
+    fixes = _fixes(graph, _launch_us(graph),
+                   _link_rate(graph, link_gbps if link_gbps == link_gbps else LINK_GBPS))
     savings = _savings(graph, fixes, scale)
     report.what_if = functools.partial(_saving_without, graph, fixes, scale)
     by_kind = {kind: report.what_if({kind}) for kind in {key[0] for key in fixes}}
@@ -3228,14 +3261,16 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
     (from an empty queue, a pin-memory loader's timed steps read 7 % slower than the profiled
     ones in notebook 09); then ``timed_steps`` are timed (by CUDA events, from the end of the
     first), and one more and
-    ``steps`` run under the profiler (with Python stacks). ``checkup_batches`` says how many
-    batches that is. The wait
+    ``steps`` run under the profiler (with Python stacks), the only steps that carry its
+    ``record_function`` marks. ``checkup_batches`` says how many batches that is. The wait
     for each batch counts as part of its step, and so does its release after the step (a
     worker's batch in shared memory is unmapped there: 2.4 ms a step in notebook 09's usual
     loop, which pin_memory=True moves to the loader's pin thread). Returns a ``CheckupReport``:
     print it for a table, the findings (costliest first, each with what to change, the step
     time predicted without it and the notebook that measures why) and the latent ones.
     """
+    from contextlib import nullcontext
+
     from torch.profiler import record_function
 
     require_cuda()
@@ -3254,19 +3289,25 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
         return batch
 
     next_s = [0.0]  # the host's time in next(batches), unprofiled steps included
+    # The marks only while profiled: unprofiled, a record_function still costs 0.02-0.05 ms on
+    # the H100's host, which the timed steps would charge to the step and to next(batches)
+    profiling = False
+
+    def mark(name: str):
+        return record_function(name) if profiling else nullcontext()
 
     def one_step() -> None:
-        with record_function(STEP_MARK):
+        with mark(STEP_MARK):
             if batches is None:
                 step()
                 return
             began = time.perf_counter()
-            with record_function(NEXT_MARK):
+            with mark(NEXT_MARK):
                 batch = take()
             next_s[0] += time.perf_counter() - began
             step(batch)
             began = time.perf_counter()
-            with record_function(RELEASE_MARK):  # a worker's batch: its shared memory unmapped
+            with mark(RELEASE_MARK):  # a worker's batch: its shared memory unmapped
                 del batch
             next_s[0] += time.perf_counter() - began
 
@@ -3277,6 +3318,7 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
             loader_ms = _loader_ms(take, _buffered_batches(batches), loader_batches)
             _warm_up(one_step, _buffered_batches(batches), 0)  # the queue fills again
         step_ms, next_ms, allocs = _timed_ms(one_step, timed_steps, next_s)
+        profiling = True
         trace = _profiled_trace(one_step, steps)
     finally:
         close = getattr(source, "close", None)  # a generator: let its loader shut down now
