@@ -582,18 +582,14 @@ def interleaved_step_ms(loops: dict[str, tuple[Callable[[], Iterable], Callable[
                         *, rounds: int = 7, warmup: int = 1, skip: int = 2, tail: int = 0,
                         after: Callable[[str], object] | None = None) -> dict[str, list[float]]:
     """Time per step of several loops (name: (make_batches, step)), one epoch of each in turn
-    for ``warmup + rounds`` rounds, so that a slow spell of the host or the GPU falls on all of
-    them rather than on whichever was being measured; the order is reversed every other round
-    (A B C, C B A, A B C...), so that a host that drifts over a few seconds favours no loop for
-    its place in the round. Returns each loop's time per step in every timed round
-    (:func:`epoch_step_ms`), in round order, so that a caller can compare loops round by round
-    and see an outlier. ``after(name)`` runs, untimed, after each epoch, warm-up epochs included
-    (to check a result, say). Notebook 07."""
+    (A B C A B C...) for ``warmup + rounds`` rounds, so that a slow spell of the host or the GPU
+    falls on all of them rather than on whichever was being measured. Returns each loop's time
+    per step in every timed round (:func:`epoch_step_ms`), in round order, so that a caller can
+    compare loops round by round and see an outlier. ``after(name)`` runs, untimed, after each
+    epoch, warm-up epochs included (to check a result, say)."""
     per_round: dict[str, list[float]] = {name: [] for name in loops}
-    names = list(loops)
     for index in range(warmup + rounds):
-        for name in names if index % 2 == 0 else reversed(names):
-            make_batches, step = loops[name]
+        for name, (make_batches, step) in loops.items():
             ms = epoch_step_ms(make_batches, step, skip=skip, tail=tail)
             if after is not None:
                 after(name)
@@ -2008,6 +2004,10 @@ class CheckupReport:
     host_allocs_timed: float = float("nan")  # pinned blocks the host allocator made while timed
     #: large pinned copies the profiler slowed, replayed at the link's rate measured apart
     paced_copies: int = 0
+    #: what free launches save once the host's waits are gone too: host_bound is named only where
+    #: the host cannot keep ahead even then (not a GPU-bound step whose host time, as profiled,
+    #: comes near the GPU's and whose waits make the gaps)
+    host_bound_past_waits_ms: float = float("nan")
     link_gbps: float = float("nan")  # that rate, unprofiled (not measured: nan)
     #: the share of the profiled host time that matches the unprofiled step (0: the replay's
     #: device floor alone already takes the timed step's time)
@@ -2977,7 +2977,8 @@ def _measured(profile: _Profile, cause_of_call: dict, step_ms: float, loader_ms:
 def _findings(report: CheckupReport, per_cause: dict, savings_us: dict, reference_ms: float):
     """A finding per cause seen in at least every other step whose fix saves at least
     MIN_SAVING_SHARE of the step and MIN_SAVING_MS; ``host_bound`` only where the host's time
-    outside waits is at least the GPU's (the host cannot keep ahead). Costliest first: a slow
+    outside waits is at least the GPU's and, with its waits gone, free launches still save that
+    much (the host cannot keep ahead). Costliest first: a slow
     loader can cost more than the host's own time, and both be findings. Returns the findings
     and the causes seen in every other step that save too little (candidates for ``latent``)."""
     floor = max(MIN_SAVING_SHARE * reference_ms, MIN_SAVING_MS)
@@ -2987,7 +2988,8 @@ def _findings(report: CheckupReport, per_cause: dict, savings_us: dict, referenc
         calls, seen = per_cause.get(key, (0.0, report.steps))
         if seen < PER_STEP * report.steps:
             continue
-        if kind == "host_bound" and not report.host_busy_ms >= report.gpu_work_ms:
+        if kind == "host_bound" and not (report.host_busy_ms >= report.gpu_work_ms
+                                         and not report.host_bound_past_waits_ms < floor):
             continue
         if us / 1e3 < floor or us <= 0:
             if key in per_cause:
@@ -3106,6 +3108,9 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float = float
                    _link_rate(graph, link_gbps if link_gbps == link_gbps else LINK_GBPS))
     savings = _savings(graph, fixes, scale)
     report.what_if = functools.partial(_saving_without, graph, fixes, scale)
+    no_waits = {key[0] for key, fix in fixes.items() if fix.no_wait}
+    report.host_bound_past_waits_ms = (report.what_if(no_waits | {"host_bound"})
+                                       - report.what_if(no_waits))
     by_kind = {kind: report.what_if({kind}) for kind in {key[0] for key in fixes}}
     report.savings_ms = {kind: round(ms, 6) for kind, ms in by_kind.items() if ms >= 5e-4}
     reference_ms = step_ms if step_ms == step_ms else report.profiled_step_ms
