@@ -2025,8 +2025,7 @@ def test_checkup_names_the_cause_and_its_cost_on_a_real_step(case, monkeypatch):
     print(f"[{case}] found {sorted(report.kinds)}; host busy {report.host_busy_ms:.3f} ms, GPU "
           f"work {report.gpu_work_ms:.3f} ms a step; free launches past the waits save "
           f"{report.host_bound_past_waits_ms:.3f} ms")  # pytest -rA: how near host_bound it came
-    assert report.kinds == expected, str(report)
-    assert all(word in str(f) for f in report.findings), str(report)
+    allowed = set(expected)
     if clean is None:  # host-bound: the GPU's own work is the floor
         explained, spread = report.step_ms * (1 - report.gpu_busy), 0.0
         cost = sum(f.cost_ms for f in report.findings)
@@ -2039,6 +2038,17 @@ def test_checkup_names_the_cause_and_its_cost_on_a_real_step(case, monkeypatch):
         explained, spread = _saving_by_round(rounds["as_is"], rounds["clean"])
         priced = priced_at(statistics.median(rounds["as_is"]))
         cost = sum(priced.saving_ms(kind) for kind in expected)
+        # a host slow enough that even the clean step outlasts the GPU's work by a finding's
+        # floor makes host_bound true as well (once on the H100, all CPUs: 4.48 ms of host time
+        # as profiled against 4.03 of kernels, a 5.9 ms step)
+        floor = max(helpers.MIN_SAVING_SHARE * report.step_ms, helpers.MIN_SAVING_MS)
+        clean_ms = statistics.median(rounds["clean"])
+        print(f"[{case}] clean step {clean_ms:.3f} ms against GPU work {report.gpu_work_ms:.3f}"
+              f" + floor {floor:.3f}")
+        if clean_ms >= report.gpu_work_ms + floor:
+            allowed.add("host_bound")
+    assert expected <= report.kinds <= allowed, str(report)
+    assert all(word in str(f) for f in report.findings if f.kind in expected), str(report)
     print(f"[{case}] cost {cost:.3f} ms, explained {explained:.3f} ms (spread {spread:.3f})")
     assert abs(cost - explained) <= max(0.25 * abs(explained), 0.5, 2 * spread), (
         cost, explained, spread)
