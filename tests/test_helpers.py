@@ -2030,8 +2030,9 @@ def test_checkup_names_the_cause_and_its_cost_on_a_real_step(case, monkeypatch):
         explained, spread = report.step_ms * (1 - report.gpu_busy), 0.0
         cost = sum(f.cost_ms for f in report.findings)
     else:
-        # the step with and without its defect in turns, as the ablations are timed: a second
-        # check-up minutes later differed from the first by up to 0.7 ms of a 4.5 ms step
+        # the step with and without its defect in turns (the ablations also alternate the turn
+        # order): a second check-up minutes later differed from the first by up to 0.7 ms of a
+        # 4.5 ms step
         epoch = functools.partial(itertools.repeat, None, 20)
         rounds = helpers.interleaved_step_ms({"as_is": (epoch, lambda _: step()),
                                               "clean": (epoch, lambda _: clean())})
