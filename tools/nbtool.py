@@ -15,9 +15,12 @@
                                                 further") and whole size against the targets
     python tools/nbtool.py site                 build the static site from the committed outputs
                                                 (nothing executed) into _site/
-    python tools/nbtool.py restamp --helpers-from REV [NOTEBOOK ...]   add helpers_units to
-                                                stamps made before they had it, where helpers.py
-                                                at REV is provably the one that made the outputs
+    python tools/nbtool.py reach [--unit NAME] [--since REV]   which notebooks the working
+                                                tree's changes (or a change to a helpers.py unit)
+                                                make stale, and the device time to re-run them
+    python tools/nbtool.py migrate-hashes [NOTEBOOK ...]   rehash stamps made over the code's
+                                                text over its code (comments and docstrings cut),
+                                                where that text is the one that ran
 
 The tests import the functions below, so that what `run` stamps and what the tests verify is
 computed by one piece of code.
@@ -30,7 +33,10 @@ import ast
 import collections
 import copy
 import datetime as dt
+import difflib
+import functools
 import hashlib
+import io
 import json
 import os
 import re
@@ -39,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tokenize
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,15 +91,86 @@ def write(nb: nbformat.NotebookNode, path: Path) -> None:
 
 # ---------------------------------------------------------------------------- provenance
 
+# What the hashes cover: the code as it runs, not the prose about it. Comments and docstrings are
+# cut before hashing (runnable_text), so that mending one costs no GPU run: every stamp and every
+# margin run stays current. Any other change is caught: code, a string literal (one that prints
+# included), a default, an indentation. nbval's markers (``# NBVAL_CHECK_OUTPUT``) stay in: they
+# decide what the nbval runs behind a notebook's margins compared. Stamps made before this hashed
+# the text itself; `migrate-hashes` rewrites them (and their margin runs) where that text is the
+# one that ran.
+HASH_SCHEME = "code without comments and docstrings, v1"  # the stamp's "hash_scheme"
+NBVAL_MARKER = "NBVAL_"
+
 
 def is_setup_cell(cell) -> bool:
     return cell.cell_type == "code" and SETUP_TAG in cell.metadata.get("tags", [])
 
 
-def code_sha256(nb) -> str:
+def _docstrings(tree) -> list[ast.Expr]:
+    """The docstrings of every function and class in ``tree``: a string as the first statement
+    of the body. (A cell's own first string is not one: a cell shows its last expression.)"""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                found.append(first)
+    return found
+
+
+def _column(line: str, utf8_offset: int) -> int:
+    """ast's column (UTF-8 bytes) as a column in characters (tokenize's)."""
+    return len(line.encode("utf-8")[:utf8_offset].decode("utf-8"))
+
+
+def _parsed(source: str):
+    """``source``'s syntax tree and tokens, or None where it is not Python (an IPython magic)."""
+    try:
+        flags = ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT  # as IPython runs a cell
+        tree = compile(source, "<code>", "exec", flags=flags, dont_inherit=True)
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (SyntaxError, ValueError, tokenize.TokenError):
+        return None
+    return tree, tokens
+
+
+def runnable_text(source: str) -> str:
+    """``source`` as the hashes see it: without its comments (nbval's markers kept) and
+    docstrings, without blank lines and trailing spaces outside string literals. Source that
+    does not parse as Python is hashed as written."""
+    source = source.replace("\r\n", "\n").replace("\r", "\n")
+    parsed = _parsed(source)
+    if parsed is None:
+        return source
+    tree, tokens = parsed
+    lines = source.split("\n")
+    # a line whose end lies inside a string literal keeps its spaces, and its place if blank
+    in_string = [False] * len(lines)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant | ast.JoinedStr) and node.end_lineno > node.lineno:
+            for row in range(node.lineno, node.end_lineno):
+                in_string[row - 1] = True
+    cuts = [(d.lineno, _column(lines[d.lineno - 1], d.col_offset), d.end_lineno,
+             _column(lines[d.end_lineno - 1], d.end_col_offset)) for d in _docstrings(tree)]
+    cuts += [(*t.start, *t.end) for t in tokens if t.type == tokenize.COMMENT
+             and not t.string.lstrip("#").strip().startswith(NBVAL_MARKER)]
+    for first, start, last, end in sorted(cuts, reverse=True):  # cuts never overlap
+        lines[first - 1:last] = [lines[first - 1][:start] + lines[last - 1][end:]]
+        in_string[first - 1:last] = [in_string[last - 1]]
+    kept = [line if keep else line.rstrip() for line, keep in zip(lines, in_string, strict=True)]
+    return "\n".join(line for line, keep in zip(kept, in_string, strict=True) if line or keep)
+
+
+def as_written(source: str) -> str:
+    """``source`` itself: what stamps made before HASH_SCHEME hashed (migrate-hashes only)."""
+    return source
+
+
+def code_sha256(nb, hashed=runnable_text) -> str:
     """Hash of the code the outputs depend on: every code cell but the canonical set-up cell
     (which only locates helpers.py and is checked separately, so publishing needs no re-run)."""
-    sources = [c.source for c in nb.cells if c.cell_type == "code" and not is_setup_cell(c)]
+    sources = [hashed(c.source) for c in nb.cells if c.cell_type == "code" and not is_setup_cell(c)]
     return hashlib.sha256(json.dumps(sources).encode()).hexdigest()
 
 
@@ -121,10 +199,11 @@ class Unit:
     always: bool  # runs on import and affects the module whatever is used: in every reach
     deps: frozenset[str]  # the keys of the other units it names
     ordered: bool  # its place among the others can matter (not a def or class of its own name)
+    hashed: str  # what its hash covers: runnable_text(source), or the source (as_written)
 
     @property
     def sha(self) -> str:
-        return hashlib.sha256(self.source.encode()).hexdigest()[:16]
+        return hashlib.sha256(self.hashed.encode()).hexdigest()[:16]
 
 
 #: Module-level names that make every attribute access go through them.
@@ -185,8 +264,10 @@ def _uses(node) -> tuple[set[str], bool]:
     return names, everything
 
 
-def helpers_units(text: str) -> dict[str, Unit]:
-    """helpers.py's top-level statements as units, by key (in the order of the file)."""
+@functools.lru_cache(maxsize=8)  # parsed once per text: every notebook's checks read it
+def helpers_units(text: str, hashed=runnable_text) -> dict[str, Unit]:
+    """helpers.py's top-level statements as units, by key (in the order of the file), each
+    hashed over ``hashed(its source)``."""
     tree = ast.parse(text)
     lines = _LINE.findall(text)
     body = tree.body
@@ -198,7 +279,7 @@ def helpers_units(text: str) -> dict[str, Unit]:
         start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
         source = "".join(lines[start - 1:node.end_lineno])
         names = _bound_names(node)
-        base = (f"<statement: {hashlib.sha256(source.encode()).hexdigest()[:16]}>"
+        base = (f"<statement: {hashlib.sha256(hashed(source).encode()).hexdigest()[:16]}>"
                 if names is None else names[0])
         key, count = base, 1
         while any(key == other[0] for other in found):
@@ -216,7 +297,7 @@ def helpers_units(text: str) -> dict[str, Unit]:
         definition = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
         ordered = not definition or any(len(defined[n]) > 1 for n in names or ())
         units[key] = Unit(key, tuple(names or ()), source, names is None,
-                          frozenset(deps - {key}), ordered)
+                          frozenset(deps - {key}), ordered, hashed(source))
     return units
 
 
@@ -235,11 +316,12 @@ def _hides_names(text: str, module: str) -> bool:
     return any(re.search(p, text, re.M) for p in patterns)
 
 
-def notebook_helpers_roots(nb) -> set[str] | None:
-    """The names of helpers.py that a notebook's code cells use, read from their raw text (so
-    a script the notebook writes to a file counts too); None when a cell hides which names it
-    uses (``from helpers import *``, ``getattr(helpers, ...)``...): the whole module then."""
-    texts = [c.source for c in nb.cells if c.cell_type == "code"]
+def notebook_helpers_roots(nb, hashed=runnable_text) -> set[str] | None:
+    """The names of helpers.py that a notebook's code cells use, read from their text as hashed
+    (string literals included, so a script the notebook writes to a file counts too; comments
+    not); None when a cell hides which names it uses (``from helpers import *``,
+    ``getattr(helpers, ...)``...): the whole module then."""
+    texts = [hashed(c.source) for c in nb.cells if c.cell_type == "code"]
     text = "\n".join(texts)
     if re.search(r"\bfrom\s+helpers\s+import\s+\(?\s*\*", text) \
             or re.search(r"""(["'])helpers\1""", text):  # sys.modules["helpers"], import_module
@@ -258,13 +340,13 @@ def notebook_helpers_roots(nb) -> set[str] | None:
     return roots
 
 
-def helpers_reach(nb, text: str | None = None) -> dict[str, str]:
+def helpers_reach(nb, text: str | None = None, hashed=runnable_text) -> dict[str, str]:
     """The units of helpers.py (``text``, default: the current file) that a notebook's code can
-    reach, each with the hash of its text: what its outputs may depend on."""
+    reach, each with the hash of its code: what its outputs may depend on."""
     if text is None:
         text = (ROOT / "helpers.py").read_bytes().decode("utf-8")
-    units = helpers_units(text)
-    roots = notebook_helpers_roots(nb)
+    units = helpers_units(text, hashed)
+    roots = notebook_helpers_roots(nb, hashed)
     if roots is None:
         reached = set(units)
     else:
@@ -295,63 +377,229 @@ def _reach_changes(stamped: dict, now: dict, shown: int = 12) -> str:
     return ", ".join(changes[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
-def provenance_problems(nb, name: str) -> list[str]:
-    """Why the committed outputs may not come from the committed code (empty list: they do)."""
+def _stale_parts(nb, stamp: dict, helpers_text: str | None = None) -> list[str]:
+    """What changed since ``stamp`` was made: "code cells", and the units of helpers.py."""
+    parts = []
+    if stamp.get("code_sha256") != code_sha256(nb):
+        parts.append("code cells")
+    stamped, now = stamp.get("helpers_units", {}), helpers_reach(nb, helpers_text)
+    if stamped != now:
+        parts.append(f"helpers.py ({_reach_changes(stamped, now)})")
+    return parts
+
+
+def provenance_problems(nb, name: str, helpers_text: str | None = None) -> list[str]:
+    """Why the committed outputs may not come from the committed code (empty list: they do);
+    ``helpers_text`` is helpers.py (default: the current file)."""
     stamp = nb.metadata.get(METADATA_KEY, {}).get("provenance")
     rerun = f"re-run it on a GPU: python tools/nbtool.py run notebooks/{name}"
     if not stamp:
         return [f"{name} has no provenance stamp: {rerun}"]
-    problems = []
-    if stamp.get("code_sha256") != code_sha256(nb):
-        problems.append(f"{name}: its code cells changed since its outputs were made; {rerun}")
-    if "helpers_units" in stamp:  # only what the notebook can reach counts
-        stamped, now = stamp["helpers_units"], helpers_reach(nb)
-        if stamped != now:
-            problems.append(f"{name}: helpers.py changed where it reaches "
-                            f"({_reach_changes(stamped, now)}) since its outputs were made; "
-                            f"{rerun}")
-    elif stamp.get("helpers_sha256") != helpers_sha256():  # stamped before helpers_units
-        problems.append(f"{name}: helpers.py changed since its outputs were made; {rerun}")
+    if stamp.get("hash_scheme") != HASH_SCHEME:
+        return [f"{name}: its stamp hashes the code as written, comments included: "
+                f"python tools/nbtool.py migrate-hashes notebooks/{name}, or {rerun}"]
+    problems = prose_problems(nb, name, helpers_text)
+    for part in _stale_parts(nb, stamp, helpers_text):
+        if part == "code cells":
+            problems.append(f"{name}: its code cells changed since its outputs were made; {rerun}")
+        else:
+            problems.append(f"{name}: {part.replace(' (', ' changed where it reaches (', 1)} "
+                            f"since its outputs were made; {rerun}")
     return problems
 
 
-def helpers_at(rev: str, root: Path | None = None) -> bytes:
-    """helpers.py as committed at git revision ``rev``: the blob's bytes, unfiltered."""
-    done = subprocess.run(["git", "cat-file", "blob", f"{rev}:./helpers.py"], cwd=root or ROOT,
-                          capture_output=True)
-    if done.returncode:
-        raise ValueError(f"git has no helpers.py at {rev!r}: "
-                         f"{done.stderr.decode(errors='replace').strip()}")
-    return done.stdout
+# Output that a hash-free edit could still change: a docstring printed (``__doc__``, ``help()``,
+# ``inspect.getdoc``), our own source read (``inspect.getsource`` on helpers or the notebook's
+# code), or a source location quoted (a traceback's or warning's line). None may appear.
+_READS_DOCSTRINGS = {"__doc__", "getdoc", "pydoc", "help"}
+_READS_SOURCE = {"getsource", "getsourcelines", "getcomments", "findsource"}
+_QUOTES_SOURCE = re.compile(r'helpers\.py(?:", line |:)\d+|Cell In\[\d+\], line \d+'
+                            r'|ipykernel_\d+/\d+\.py')
 
 
-def restamp(path: Path, old: bytes, rev: str) -> str:
-    """Add ``helpers_units`` to the stamp of a notebook run before stamps had it, computed over
-    ``old`` (helpers.py at ``rev``), and only where that is provably the helpers.py its outputs
-    were made with and its code cells are the ones that ran; nothing else in the notebook
-    changes. Raises ValueError, touching nothing, otherwise. Returns what it did."""
+def prose_reads(source: str, own: set[str]) -> list[str]:
+    """What in ``source`` reads a docstring, or the source of code named in ``own``: text the
+    hashes leave out. Source that is not Python is searched as text (``helpers.x?`` too)."""
+    parsed = _parsed(source.replace("\r\n", "\n").replace("\r", "\n"))
+    if parsed is None:
+        found = re.findall(r"__doc__|\bhelp\(|getdoc|getsource|pydoc|\?\s*$", source, re.M)
+        return [f.strip() or "?" for f in found]
+    found = []
+    for node in ast.walk(parsed[0]):
+        name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+        if name in _READS_DOCSTRINGS:
+            found.append(name)
+        if isinstance(node, ast.Call):
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else \
+                getattr(node.func, "id", None)
+            named = {n.id for arg in node.args for n in ast.walk(arg) if isinstance(n, ast.Name)}
+            if called in _READS_SOURCE and named & own:
+                found.append(f"{called}({', '.join(sorted(named & own))})")
+    return found
+
+
+def _defined_names(source: str) -> set[str]:
+    parsed = _parsed(source.replace("\r\n", "\n").replace("\r", "\n"))
+    return set() if parsed is None else {
+        n.name for n in ast.walk(parsed[0])
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
+
+
+def prose_problems(nb, name: str, helpers_text: str | None = None) -> list[str]:
+    """Where a notebook's outputs could change with what the hashes leave out (none: they
+    cannot): its cells or the helpers it reaches reading docstrings or our source, or an output
+    quoting a source line."""
+    if helpers_text is None:
+        helpers_text = (ROOT / "helpers.py").read_bytes().decode("utf-8")
+    code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    own = {"helpers"} | set(_HELPERS_ALIAS.findall("\n".join(c.source for _, c in code)))
+    own |= {n for _, c in code for n in _defined_names(c.source)}
+    problems = [f"{name}, cell {i}: reads {', '.join(found)}, which the hashes leave out"
+                for i, c in code if (found := prose_reads(c.source, own))]
+    units = helpers_units(helpers_text)
+    names = {n for unit in units.values() for n in unit.names}
+    for key in helpers_reach(nb, helpers_text):
+        if key in units and (found := prose_reads(units[key].source, names)):
+            problems.append(f"{name}: helpers.py's {key} reads {', '.join(found)}, which the "
+                            "hashes leave out")
+    for i, c in code:
+        for output in c.get("outputs", []):
+            text = json.dumps(output.get("traceback", [])) + json.dumps(output.get("text", "")) \
+                + json.dumps(output.get("data", {}).get("text/plain", ""))
+            if (quoted := _QUOTES_SOURCE.search(text)):
+                problems.append(f"{name}, cell {i}: an output quotes a source line "
+                                f"({quoted.group(0)}), which moves with comments")
+    return problems
+
+
+def migrate_hashes(path: Path, runs: list[dict]) -> str:
+    """Rehash a stamp made before HASH_SCHEME, and the margin runs (``runs``, changed in place)
+    of that version, over runnable_text; only where the text the stamp hashed is the text
+    committed now, so that no stale notebook becomes current. Raises ValueError, touching
+    nothing, otherwise. Returns what it did."""
     name = path.name
     nb = read(path)
     stamp = nb.metadata.get(METADATA_KEY, {}).get("provenance")
-    if not stamp:
-        raise ValueError(f"{name}: refused: it has no provenance stamp; run it on a GPU")
-    sha = hashlib.sha256(old).hexdigest()
-    if stamp.get("helpers_sha256") != sha:
-        raise ValueError(
-            f"{name}: refused: helpers.py at {rev} (sha256 {sha[:12]}) is not the helpers.py "
-            f"its outputs were made with (sha256 {str(stamp.get('helpers_sha256'))[:12]})"
-            "; the commit that last changed the notebook is a likely one: "
-            f"git log -1 --format=%h -- notebooks/{name}")
-    if stamp.get("code_sha256") != code_sha256(nb):
-        raise ValueError(f"{name}: refused: its code cells changed since its outputs were made, "
-                         "so what they reached then cannot be told; re-run it on a GPU: "
-                         f"python tools/nbtool.py run notebooks/{name}")
-    units = helpers_reach(nb, old.decode("utf-8"))
-    if stamp.get("helpers_units") == units:
-        return f"{name}: its stamp already has these helpers_units ({len(units)} entries)"
-    stamp["helpers_units"] = units
+    rerun = f"re-run it on a GPU: python tools/nbtool.py run notebooks/{name}"
+    if not stamp or "helpers_units" not in stamp:
+        raise ValueError(f"{name}: refused: its stamp has no helpers_units to rehash; {rerun}")
+    if stamp.get("hash_scheme") == HASH_SCHEME:
+        return f"{name}: already hashed over its code ({HASH_SCHEME})"
+    if stamp.get("code_sha256") != code_sha256(nb, as_written):
+        raise ValueError(f"{name}: refused: its code cells are not the text its outputs were "
+                         f"made with; {rerun}")
+    then, now = stamp["helpers_units"], helpers_reach(nb, hashed=as_written)
+    if then != now:
+        raise ValueError(f"{name}: refused: helpers.py changed where it reaches "
+                         f"({_reach_changes(then, now)}) since its outputs were made; {rerun}")
+    old, new = run_version(nb, hashed=as_written), run_version(nb)
+    moved = [run for run in runs if run["notebook"] == name and run.get("version") == old]
+    for run in moved:
+        run["version"] = new
+    stamp.update(code_sha256=code_sha256(nb), helpers_units=helpers_reach(nb),
+                 hash_scheme=HASH_SCHEME)
     write(nb, path)
-    return f"{name}: stamped helpers_units ({len(units)} entries) from helpers.py at {rev}"
+    return f"{name}: stamp and {len(moved)} margin run(s) rehashed over its code"
+
+
+# ---------------------------------------------------------------------------- an edit's price
+
+
+def git_show(rev: str, relative: str, root: Path | None = None) -> str | None:
+    """A file as committed at ``rev`` (None: not there)."""
+    done = subprocess.run(["git", "show", f"{rev}:{relative}"], cwd=root or ROOT,
+                          capture_output=True)
+    return done.stdout.decode("utf-8") if done.returncode == 0 else None
+
+
+def revalidation_runs(nb) -> int:
+    """The GPU runs that make a stale notebook current again: its execution, then nbval until
+    MARGIN_RUNS runs with all CPUs (the execution counts) and MARGIN_RUNS on 2 CPUs are
+    current (tests/test_margins.py); a notebook for more GPUs rests on its execution."""
+    one_gpu = nb.metadata.get(METADATA_KEY, {}).get("requires_gpus", 1) == 1
+    return 2 * MARGIN_RUNS if one_gpu else 1
+
+
+def price_table(stale: list[tuple[Path, object, str]]) -> str:
+    """Each notebook's runs and device time (its stamped wall time each), and the total."""
+    rows, total_runs, total_s = [], 0, 0.0
+    for path, nb, why in stale:
+        stamp = nb.metadata.get(METADATA_KEY, {}).get("provenance") or {}
+        wall, runs = stamp.get("wall_seconds"), revalidation_runs(nb)
+        seconds = (wall or 0.0) * runs
+        total_runs, total_s = total_runs + runs, total_s + seconds
+        gpus = nb.metadata.get(METADATA_KEY, {}).get("requires_gpus", 1)
+        host = f" (a {gpus}-GPU machine)" if gpus > 1 else ""
+        rows.append(f"  {path.name:<30} {wall or 0.0:6.1f} s x {runs:>2} = {seconds:5.0f} s  "
+                    f"{why}{host}")
+    rows.append(f"  {'total':<30} {total_runs:>13} runs = {total_s:5.0f} s  "
+                f"({total_s / 60:.1f} min of device time)")
+    rows.append(f"Runs: the execution, then nbval until {MARGIN_RUNS} runs with all CPUs and "
+                f"{MARGIN_RUNS} under taskset -c 0,1 are current; each at its stamped wall time "
+                "(the GPU it last ran on), a machine's start not counted.")
+    return "\n".join(rows)
+
+
+def edit_reach(rev: str = "HEAD") -> tuple[list, list]:
+    """The notebooks that the working tree's changes since ``rev`` make stale (current at
+    ``rev``, not now), with what changed; and those stale already at ``rev``."""
+    helpers_then = git_show(rev, "helpers.py")
+    made, already = [], []
+    for path in notebook_paths():
+        nb = read(path)
+        stamp = nb.metadata.get(METADATA_KEY, {}).get("provenance") or {}
+        if not provenance_problems(nb, path.name):
+            continue
+        committed = git_show(rev, f"notebooks/{path.name}")
+        then = None if committed is None else nbformat.reads(committed, as_version=4)
+        why = "; ".join(_stale_parts(nb, stamp)) or "no current stamp"
+        if then is None or helpers_then is None \
+                or provenance_problems(then, path.name, helpers_then):
+            already.append((path, nb, why))
+        else:
+            made.append((path, nb, why))
+    return made, already
+
+
+def unit_reach(name: str) -> list[tuple[Path, object, str]]:
+    """The notebooks that reach helpers.py's unit ``name`` (or ``name #2``...): a change to its
+    code makes them stale."""
+    units = helpers_units((ROOT / "helpers.py").read_text(encoding="utf-8"))
+    keys = {key for key in units if key == name or key.startswith(f"{name} #")}
+    if not keys:
+        near = difflib.get_close_matches(name, list(units), n=3)
+        raise ValueError(f"helpers.py has no top-level {name!r}"
+                         + (f" (did you mean {', '.join(near)}?)" if near else ""))
+    found = []
+    for path in notebook_paths():
+        nb = read(path)
+        if keys & helpers_reach(nb).keys():
+            found.append((path, nb, f"reaches {name}"))
+    return found
+
+
+def _reach(units: list[str], rev: str) -> int:
+    """The `reach` command."""
+    if units:
+        try:
+            reached = {name: unit_reach(name) for name in units}
+        except ValueError as error:
+            print(error, file=sys.stderr)
+            return 1
+        for name, found in reached.items():
+            print(f"A change to the code of helpers.py's {name} makes {len(found)} notebook(s) "
+                  "stale (a comment or docstring: none):")
+            print(price_table(found))
+        return 0
+    made, already = edit_reach(rev)
+    if made:
+        print(f"The changes since {rev} make {len(made)} notebook(s) stale:")
+        print(price_table(made))
+    else:
+        print(f"The changes since {rev} make no notebook stale.")
+    if already:
+        print(f"Stale at {rev} already: {', '.join(p.name for p, *_ in already)}")
+    return 0
 
 
 def kernel_peak_rss_mib(client) -> float | None:
@@ -414,8 +662,8 @@ def execute(path: Path, timeout: int = 600) -> dict:
         "wall_seconds": round(wall, 1),
         "kernel_peak_rss_mib": None if peak["rss"] is None else round(peak["rss"]),
         "process_tree_peak_mib": None if tree_peak is None else round(tree_peak),
-        "code_sha256": code_sha256(nb), "helpers_sha256": helpers_sha256(),
-        "helpers_units": helpers_reach(nb),
+        "hash_scheme": HASH_SCHEME, "code_sha256": code_sha256(nb),
+        "helpers_sha256": helpers_sha256(), "helpers_units": helpers_reach(nb),
     }
     fix(nb, path, settings())
     write(nb, path)
@@ -1124,10 +1372,10 @@ NOT_TIMING = frozenset({
 MARGINS_START, MARGINS_END = "<!-- margins:start -->", "<!-- margins:end -->"
 
 
-def run_version(nb) -> str:
+def run_version(nb, helpers_text: str | None = None, hashed=runnable_text) -> str:
     """What a margin run depends on: the notebook's code and what of helpers.py it reaches."""
-    reach = json.dumps(helpers_reach(nb), sort_keys=True)
-    return hashlib.sha256(f"{code_sha256(nb)}\n{reach}".encode()).hexdigest()[:16]
+    reach = json.dumps(helpers_reach(nb, helpers_text, hashed), sort_keys=True)
+    return hashlib.sha256(f"{code_sha256(nb, hashed)}\n{reach}".encode()).hexdigest()[:16]
 
 
 def claim_margin(op: str, lhs: float, threshold: float) -> float:
@@ -1193,14 +1441,17 @@ def read_margins(path: Path = MARGINS) -> list[dict]:
     return json.loads(path.read_text(encoding="utf-8"))["runs"] if path.exists() else []
 
 
+def write_margins(runs: list[dict], path: Path = MARGINS) -> None:
+    runs = sorted(runs, key=lambda r: (r["notebook"], r.get("date") or "", r["run"]))
+    path.write_text(json.dumps({"runs": runs}, indent=1) + "\n", encoding="utf-8")
+
+
 def add_runs(new: list[dict], path: Path = MARGINS) -> int:
     """Keep ``new`` runs in the margins file (a run already kept is not added twice)."""
     runs = read_margins(path)
     known = {r["run"] for r in runs}
     added = [r for r in new if r["run"] not in known and r.get("notebook")]
-    runs += added
-    runs.sort(key=lambda r: (r["notebook"], r.get("date") or "", r["run"]))
-    path.write_text(json.dumps({"runs": runs}, indent=1) + "\n", encoding="utf-8")
+    write_margins(runs + added, path)
     return len(added)
 
 
@@ -1625,19 +1876,16 @@ def _new(stem: str, title: str, question: str) -> int:
     return 0
 
 
-def _restamp(rev: str, paths: list[Path]) -> int:
-    try:
-        old = helpers_at(rev)
-    except ValueError as error:
-        print(error, file=sys.stderr)
-        return 1
+def _migrate_hashes(paths: list[Path]) -> int:
+    runs = read_margins()
     refused = 0
     for path in paths or notebook_paths():
         try:
-            print(restamp(path, old, rev))
+            print(migrate_hashes(path, runs))
         except ValueError as error:
             print(error, file=sys.stderr)
             refused += 1
+    write_margins(runs)
     if refused:
         print(f"{refused} notebook(s) refused", file=sys.stderr)
     return 1 if refused else 0
@@ -1670,14 +1918,20 @@ def main(argv: list[str] | None = None) -> int:
     blank = sub.add_parser("blank", help="write the notebooks without outputs into OUT/notebooks "
                            "(what the run branch holds)")
     blank.add_argument("out", type=Path)
-    restamp_ = sub.add_parser("restamp", help="add helpers_units to stamps made before they had "
-                              "it, where helpers.py at REV is the one their outputs came from")
-    restamp_.add_argument("--helpers-from", required=True, metavar="REV",
-                          help="the git revision whose helpers.py made the outputs")
-    restamp_.add_argument("notebooks", nargs="*", type=Path)
+    migrate = sub.add_parser("migrate-hashes", help="rehash stamps made over the code's text "
+                             "(comments included) over its code, with their margin runs")
+    migrate.add_argument("notebooks", nargs="*", type=Path)
+    reach = sub.add_parser("reach", help="which notebooks the uncommitted changes (or a change "
+                           "to a helpers.py unit) make stale, and the device time to re-run them")
+    reach.add_argument("--unit", action="append", default=[], metavar="NAME",
+                       help="a top-level name of helpers.py (repeatable)")
+    reach.add_argument("--since", default="HEAD", metavar="REV",
+                       help="compare the working tree with this revision (default: HEAD)")
     args = parser.parse_args(argv)
-    if args.command == "restamp":
-        return _restamp(args.helpers_from, [p.resolve() for p in args.notebooks])
+    if args.command == "migrate-hashes":
+        return _migrate_hashes([p.resolve() for p in args.notebooks])
+    if args.command == "reach":
+        return _reach(args.unit, args.since)
     if args.command == "check":
         return _check(args.fix)
     if args.command == "new":
