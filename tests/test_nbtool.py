@@ -1,5 +1,6 @@
-"""What of helpers.py a notebook reaches (tools/nbtool.py): the provenance stamp's
-``helpers_units``, the staleness it reports, and the ``restamp`` migration.
+"""What the provenance stamp hashes (tools/nbtool.py): a notebook's code and the parts of
+helpers.py it reaches, each without comments and docstrings; the staleness it reports; the
+``migrate-hashes`` step from stamps that hashed the text as written.
 
 A notebook is stale when code of helpers.py that it can reach changed, and only then: these
 tests edit a small helpers module in every way that can matter (or must not) and check which
@@ -7,14 +8,22 @@ notebooks the edit makes stale.
 """
 
 import copy
+import glob
 import hashlib
 import json
+import os
+import re
+import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import nbformat
 import pytest
 
 from tools import nbtool
+
+MARGINS = nbtool.MARGINS  # the committed runs, whatever root a test gives nbtool
 
 HELPERS = '''\
 """A small helpers module."""
@@ -127,11 +136,21 @@ def test_names_bound_by_imports_tuples_and_decorated_definitions():
 
 
 def test_a_change_to_a_reached_function_is_caught():
-    after = edited(HELPERS, '"""Reached from the notebook."""', '"""Reached, and edited."""')
+    after = edited(HELPERS, "return _inner(x) + 1", "return _inner(x) + 2")
     assert stale(USES_REACHED, HELPERS, after)
     before = nbtool.helpers_reach(USES_REACHED, HELPERS)
     now = nbtool.helpers_reach(USES_REACHED, after)
     assert [k for k in before if before[k] != now[k]] == ["reached"]
+
+
+def test_its_docstring_and_comments_are_not_caught_its_defaults_are():
+    prose = edited(HELPERS, '"""Reached from the notebook."""',
+                   '"""Reached, and edited:\n    now on two lines."""\n    # a comment')
+    prose = edited(prose, "return _inner(x) + 1", "return _inner(x) + 1  # and one here")
+    prose = edited(prose, "SCALE = 2", "SCALE = 2  # a constant's comment\n\n# a line of its own")
+    assert nbtool.helpers_reach(USES_REACHED, prose) == nbtool.helpers_reach(USES_REACHED, HELPERS)
+    assert stale(USES_REACHED, HELPERS, edited(HELPERS, "def reached(x):", "def reached(x=1):"))
+    assert stale(USES_REACHED, HELPERS, edited(HELPERS, "def reached(x):", "def reached(y):"))
 
 
 def test_a_change_to_an_unreached_function_is_not_caught():
@@ -257,18 +276,103 @@ def test_hiding_which_names_are_used_reaches_the_whole_module(source):
     assert stale(nb, HELPERS, edited(HELPERS, "return x - 1", "return x - 2"))
 
 
+# ---------------------------------------------------------------------------- what is hashed
+
+CODE = 'def f(x=1):\n    """What f does."""\n    # why it does it\n    return x  # because\n'
+
+
+@pytest.mark.parametrize("same", [
+    'def f(x=1):\n    """Another docstring,\n    on two lines."""\n    return x\n',
+    "def f(x=1):\n\n    return x   # edited\n\n\n# a comment of its own\n",
+    "def f(x=1):\r\n    return x\r\n",
+])
+def test_comments_docstrings_and_blank_lines_are_not_hashed(same):
+    assert nbtool.runnable_text(same) == nbtool.runnable_text(CODE)
+
+
+@pytest.mark.parametrize("before, after", [
+    (CODE, CODE.replace("x=1", "x=2")),  # a default
+    (CODE, CODE.replace("return x", "return -x")),
+    ("if a:\n    b()\nc()\n", "if a:\n    b()\n    c()\n"),  # an indentation
+    ('print("a  # not a comment")', 'print("a  # edited")'),  # a string that prints
+    ('s = """a\n\nb"""', 's = """a\nb"""'),  # a blank line inside a string
+    ('s = """a  \nb"""', 's = """a\nb"""'),  # trailing spaces inside a string
+    ("x = f'{1}  # in an f-string'", "x = f'{1}  # edited'"),
+    ('"shown"', '"other"'),  # a cell's own leading string is its output, not a docstring
+    ("print(1)", "# NBVAL_CHECK_OUTPUT\nprint(1)"),  # nbval's markers decide what is compared
+    ("%time x = 1  # a magic", "%time x = 1  # is not Python: hashed as written"),
+])
+def test_code_strings_defaults_and_nbval_markers_are_hashed(before, after):
+    assert nbtool.runnable_text(before) != nbtool.runnable_text(after)
+
+
+def test_a_comment_in_a_code_cell_leaves_the_code_hash():
+    nb = notebook("import helpers\n", "x = helpers.reached(1)  # why\nprint(x)")
+    commented = notebook("import helpers  # the module\n",
+                         "# first\nx = helpers.reached(1)\nprint(x)")
+    assert nbtool.code_sha256(commented) == nbtool.code_sha256(nb)
+    assert nbtool.run_version(commented, HELPERS) == nbtool.run_version(nb, HELPERS)
+    assert nbtool.code_sha256(notebook("import helpers\n", "x = helpers.reached(2)\nprint(x)")) \
+        != nbtool.code_sha256(nb)
+
+
+def test_a_helpers_name_only_in_a_comment_is_not_reached():
+    nb = notebook("import helpers\n", "helpers.reached(1)  # unlike helpers.unreached")
+    assert "unreached" not in nbtool.helpers_reach(nb, HELPERS)
+
+
+HASHING_SCRIPT = """\
+import ast, glob, hashlib, io, json, sys, tokenize
+source = open("tools/nbtool.py").read()
+wanted = {"_docstrings", "_column", "_parsed", "runnable_text", "NBVAL_MARKER"}
+namespace = {"ast": ast, "io": io, "tokenize": tokenize}
+for node in ast.parse(source).body:
+    names = [getattr(t, "id", None) for t in getattr(node, "targets", [])]
+    if getattr(node, "name", None) in wanted or set(names) & wanted:
+        exec(ast.get_source_segment(source, node), namespace)
+texts = [namespace["runnable_text"]("".join(c["source"]))
+         for path in sorted(glob.glob("notebooks/*.ipynb"))
+         for c in json.load(open(path))["cells"] if c["cell_type"] == "code"]
+texts.append(namespace["runnable_text"](open("helpers.py").read()))
+print(hashlib.sha256(json.dumps(texts).encode()).hexdigest())
+"""
+
+
+def _pythons() -> dict[str, str]:
+    """Python 3.11 and newer on this machine, by version (the GPU host stamps with 3.12)."""
+    found = {}
+    for candidate in [sys.executable, *glob.glob(os.path.expanduser(
+            "~/.pyenv/versions/3.1[1-9]*/bin/python3")), "/usr/bin/python3"]:
+        done = subprocess.run([candidate, "-c", "import sys; print(sys.version_info >= (3, 11),"
+                               " sys.version.split()[0])"], capture_output=True, text=True)
+        if done.returncode == 0 and done.stdout.startswith("True"):
+            found.setdefault(done.stdout.split()[1].rsplit(".", 1)[0], candidate)
+    return found
+
+
+def test_the_hashed_text_is_the_same_under_every_python_here():
+    pythons = _pythons()
+    if len(pythons) < 2:
+        pytest.skip(f"one Python 3.11+ here ({', '.join(pythons)}): nothing to compare with")
+    digests = {version: subprocess.run([python, "-c", HASHING_SCRIPT], cwd=nbtool.ROOT,
+                                       capture_output=True, text=True, check=True).stdout
+               for version, python in pythons.items()}
+    assert len(set(digests.values())) == 1, digests
+
+
 # ---------------------------------------------------------------------------- the stamp
 
 
-def stamped(nb, text: str, with_units: bool = True):
+def stamped(nb, text: str, hashed=nbtool.runnable_text):
     nb = copy.deepcopy(nb)
     stamp = {
         "gpu": "NVIDIA Test GPU",
-        "code_sha256": nbtool.code_sha256(nb),
+        "code_sha256": nbtool.code_sha256(nb, hashed),
         "helpers_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "helpers_units": nbtool.helpers_reach(nb, text, hashed),
     }
-    if with_units:
-        stamp["helpers_units"] = nbtool.helpers_reach(nb, text)
+    if hashed is nbtool.runnable_text:
+        stamp["hash_scheme"] = nbtool.HASH_SCHEME
     nb.metadata[nbtool.METADATA_KEY] = {"provenance": stamp}
     return nb
 
@@ -300,18 +404,16 @@ def test_provenance_reports_only_changes_where_the_notebook_reaches(helpers_here
     assert "LIMIT is new" in problem and "limit is new" in problem
 
 
-def test_a_stamp_without_helpers_units_compares_the_whole_file(helpers_here):
-    nb = stamped(USES_REACHED, HELPERS, with_units=False)
+def test_a_stamp_over_the_text_as_written_asks_to_be_migrated(helpers_here):
     helpers_here(HELPERS)
-    assert nbtool.provenance_problems(nb, "00_x.ipynb") == []
-    helpers_here(edited(HELPERS, "return x - 1", "return x - 2"))
+    nb = stamped(USES_REACHED, HELPERS, nbtool.as_written)
     assert nbtool.provenance_problems(nb, "00_x.ipynb") == [
-        "00_x.ipynb: helpers.py changed since its outputs were made; re-run it on a GPU: "
-        "python tools/nbtool.py run notebooks/00_x.ipynb"
-    ]
+        "00_x.ipynb: its stamp hashes the code as written, comments included: python "
+        "tools/nbtool.py migrate-hashes notebooks/00_x.ipynb, or re-run it on a GPU: "
+        "python tools/nbtool.py run notebooks/00_x.ipynb"]
 
 
-def test_execute_stamps_helpers_units(tmp_path, monkeypatch):
+def test_execute_stamps_the_hashes_of_the_code(tmp_path, monkeypatch):
     import nbclient
 
     class NoKernel:  # execute()'s stamp without a kernel: nothing runs, outputs stay empty
@@ -327,75 +429,113 @@ def test_execute_stamps_helpers_units(tmp_path, monkeypatch):
     nbtool.fix(nb, path, nbtool.settings())
     nbtool.write(nb, path)
     stamp = nbtool.execute(path)
+    assert stamp["hash_scheme"] == nbtool.HASH_SCHEME
+    assert stamp["code_sha256"] == nbtool.code_sha256(nbtool.read(path))
     assert stamp["helpers_units"] == nbtool.helpers_reach(nbtool.read(path))
     assert {"format_bytes", "environment_report", "colab_setup"} <= set(stamp["helpers_units"])
     assert stamp["helpers_sha256"] == nbtool.helpers_sha256()
 
 
-# ---------------------------------------------------------------------------- restamp
+# ---------------------------------------------------------------------------- prose in outputs
 
 
-def git(repo, *args: str) -> str:
-    command = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
-    command += ["-c", "commit.gpgsign=false", *args]
-    return subprocess.run(command, cwd=repo, check=True, capture_output=True, text=True).stdout
+@pytest.mark.parametrize("source", [
+    "print(helpers.reached.__doc__)",
+    "help(helpers.reached)",
+    "import inspect\nprint(inspect.getdoc(helpers.reached))",
+    "import inspect\nprint(inspect.getsource(helpers.reached))",
+    "import inspect\n\n\ndef mine():\n    pass\n\n\nprint(inspect.getsource(mine))",
+    "helpers.reached?",
+])
+def test_a_notebook_that_prints_a_docstring_or_its_source_fails(helpers_here, source):
+    helpers_here(HELPERS)
+    nb = stamped(notebook("import helpers", source), HELPERS)
+    problems = nbtool.provenance_problems(nb, "00_x.ipynb")
+    assert len(problems) == 1 and "00_x.ipynb, cell 1: reads " in problems[0], problems
+
+
+def test_reading_a_library_s_source_is_allowed(helpers_here):
+    helpers_here(HELPERS)  # as 06 prints the lines of torch's DataLoader it discusses
+    source = "import inspect\nimport torch.utils.data as module\nprint(inspect.getsource(module))"
+    assert nbtool.provenance_problems(stamped(notebook(source), HELPERS), "00_x.ipynb") == []
+
+
+def test_a_reached_helper_that_reads_its_docstring_fails(helpers_here):
+    text = edited(HELPERS, "return _inner(x) + 1", "return reached.__doc__")
+    helpers_here(text)
+    problems = nbtool.provenance_problems(stamped(USES_REACHED, text), "00_x.ipynb")
+    assert problems == ["00_x.ipynb: helpers.py's reached reads __doc__, which the hashes leave "
+                        "out"]
+    assert nbtool.provenance_problems(stamped(USES_UNREACHED, text), "00_x.ipynb") == []
+
+
+def test_an_output_that_quotes_a_source_line_fails(helpers_here):
+    helpers_here(HELPERS)
+    nb = stamped(USES_REACHED, HELPERS)
+    nb.cells[1].outputs = [nbformat.v4.new_output(
+        "stream", name="stderr", text="/repo/helpers.py:12: UserWarning: careful\n")]
+    problems = nbtool.provenance_problems(nb, "00_x.ipynb")
+    assert len(problems) == 1 and "quotes a source line (helpers.py:12)" in problems[0]
+
+
+# ---------------------------------------------------------------------------- migrate-hashes
 
 
 @pytest.fixture
-def repo(tmp_path, monkeypatch):
-    """A git repository whose notebook ran with HELPERS (commit 1); helpers.py then changed
-    where the notebook reaches (commit 2)."""
-    git(tmp_path, "init", "-q")
-    (tmp_path / "helpers.py").write_text(HELPERS, encoding="utf-8", newline="")
-    nb = stamped(USES_REACHED, HELPERS, with_units=False)
-    nb.cells[1].outputs = [nbformat.v4.new_output(
-        "execute_result", {"text/plain": "3"}, execution_count=1
-    )]
-    nb.cells[1].execution_count = 1
-    (tmp_path / "notebooks").mkdir()
-    path = tmp_path / "notebooks" / "00_demo.ipynb"
-    nbtool.write(nb, path)
-    git(tmp_path, "add", ".")
-    git(tmp_path, "commit", "-q", "-m", "run")
-    (tmp_path / "helpers.py").write_text(edited(HELPERS, "SCALE = 2", "SCALE = 3"), newline="")
-    git(tmp_path, "commit", "-q", "-am", "helpers changed")
+def as_written(tmp_path, monkeypatch):
+    """A notebook stamped over its text as written, with margin runs of that version and one
+    of an older version, in a repository root of our own."""
     monkeypatch.setattr(nbtool, "ROOT", tmp_path)
+    monkeypatch.setattr(nbtool, "MARGINS", tmp_path / "margins.json")
+    (tmp_path / "helpers.py").write_text(HELPERS, encoding="utf-8", newline="")
+    nb = stamped(notebook("import helpers  # the module\n", "helpers.reached(1)"), HELPERS,
+                 nbtool.as_written)
+    path = tmp_path / "00_demo.ipynb"
+    nbtool.write(nb, path)
+    old = nbtool.run_version(nb, HELPERS, nbtool.as_written)
+    runs = [{"run": f"r{i}", "notebook": path.name, "version": v, "claims": []}
+            for i, v in enumerate([old, old, "an-older-one"])]
+    nbtool.write_margins(runs)
     return path
 
 
-def test_restamp_refuses_a_helpers_py_that_did_not_make_the_outputs(repo, capsys):
-    before = repo.read_bytes()
-    assert nbtool.main(["restamp", "--helpers-from", "HEAD", str(repo)]) == 1
-    assert repo.read_bytes() == before
-    assert "00_demo.ipynb: refused: helpers.py at HEAD" in capsys.readouterr().err
-    assert nbtool.main(["restamp", "--helpers-from", "no-such-rev", str(repo)]) == 1
-    assert repo.read_bytes() == before
-
-
-def test_restamp_writes_only_helpers_units_from_the_helpers_py_that_made_the_outputs(repo):
-    before = json.loads(repo.read_text())
-    assert nbtool.main(["restamp", "--helpers-from", "HEAD~1", str(repo)]) == 0
-    after = json.loads(repo.read_text())
-    units = after["metadata"]["collection"]["provenance"].pop("helpers_units")
+def test_migrate_hashes_rewrites_the_stamp_and_its_margin_runs(as_written):
+    before = json.loads(as_written.read_text())
+    assert nbtool.main(["migrate-hashes", str(as_written)]) == 0
+    after = json.loads(as_written.read_text())
+    stamp, old = after["metadata"]["collection"]["provenance"], \
+        before["metadata"]["collection"]["provenance"]
+    assert {k for k in stamp if stamp[k] != old.get(k)} == {
+        "code_sha256", "helpers_units", "hash_scheme"}
+    after["metadata"]["collection"]["provenance"] = old
     assert after == before  # cells, outputs and every other field as they were
-    nb = nbtool.read(repo)
-    assert units == nbtool.helpers_reach(nb, HELPERS)  # over the old text, not the current one
-    assert units != nbtool.helpers_reach(nb)
-    problems = nbtool.provenance_problems(nb, repo.name)
-    assert len(problems) == 1 and "helpers.py changed where it reaches (SCALE)" in problems[0]
-    again = repo.read_bytes()
-    assert nbtool.main(["restamp", "--helpers-from", "HEAD~1", str(repo)]) == 0
-    assert repo.read_bytes() == again
+    nb = nbtool.read(as_written)
+    assert nbtool.provenance_problems(nb, as_written.name) == []
+    versions = [r["version"] for r in nbtool.read_margins()]
+    assert versions == [nbtool.run_version(nb)] * 2 + ["an-older-one"]
+    runs = nbtool.current_runs(as_written, nb, nbtool.read_margins())
+    assert [r["run"] for r in runs] == ["committed-None", "r0", "r1"]
+    again = as_written.read_bytes()
+    assert nbtool.main(["migrate-hashes", str(as_written)]) == 0
+    assert as_written.read_bytes() == again
 
 
-def test_restamp_refuses_a_notebook_whose_code_changed_since_it_ran(repo, capsys):
-    nb = nbtool.read(repo)
-    nb.cells[1].source += "\nhelpers.unreached(1)"
-    nbtool.write(nb, repo)
-    before = repo.read_bytes()
-    assert nbtool.main(["restamp", "--helpers-from", "HEAD~1", str(repo)]) == 1
-    assert repo.read_bytes() == before
-    assert "its code cells changed" in capsys.readouterr().err
+@pytest.mark.parametrize("change", ["comment in a cell", "helpers.py where it reaches"])
+def test_migrate_hashes_refuses_a_notebook_stale_by_its_text(as_written, change, capsys):
+    if change == "comment in a cell":  # free from now on, but not yet: its text is not what ran
+        nb = nbtool.read(as_written)
+        nb.cells[0].source = "import helpers  # the module, edited\n"
+        nbtool.write(nb, as_written)
+        wanted = "its code cells are not the text its outputs were made with"
+    else:
+        (nbtool.ROOT / "helpers.py").write_text(edited(HELPERS, "SCALE = 2", "SCALE = 3"))
+        wanted = "helpers.py changed where it reaches (SCALE)"
+    before, margins = as_written.read_bytes(), nbtool.MARGINS.read_bytes()
+    assert nbtool.main(["migrate-hashes", str(as_written)]) == 1
+    assert as_written.read_bytes() == before and nbtool.MARGINS.read_bytes() == margins
+    err = capsys.readouterr().err
+    assert f"00_demo.ipynb: refused: {wanted}" in err and "1 notebook(s) refused" in err
+    assert nbtool.provenance_problems(nbtool.read(as_written), as_written.name)  # still stale
 
 
 # ---------------------------------------------------------------------------- the collection
@@ -412,17 +552,104 @@ def test_every_notebook_reaches_environment_report(committed):
     assert reach and "environment_report" in reach, path.name
 
 
-def test_restamping_a_committed_notebook_changes_only_its_stamp(committed, tmp_path):
+def test_migrating_a_committed_notebook_from_its_text_hash_gives_its_stamp(committed, tmp_path):
     path, nb = committed
-    text = (nbtool.ROOT / "helpers.py").read_bytes()
     stamp = nb.metadata[nbtool.METADATA_KEY]["provenance"]
-    stamp["helpers_sha256"] = hashlib.sha256(text).hexdigest()  # as if it ran with this file
-    stamp["code_sha256"] = nbtool.code_sha256(nb)  # and with these cells
-    stamp.pop("helpers_units", None)
+    stamp["code_sha256"] = nbtool.code_sha256(nb, nbtool.as_written)  # as the old rule stamped
+    stamp["helpers_units"] = nbtool.helpers_reach(nb, hashed=nbtool.as_written)
+    del stamp["hash_scheme"]
     copied = tmp_path / path.name
     nbtool.write(nb, copied)
-    print(nbtool.restamp(copied, text, "HEAD"))
-    stamp["helpers_units"] = nbtool.helpers_reach(nb, text.decode())
-    nbtool.write(nb, tmp_path / "expected.ipynb")
-    assert copied.read_bytes() == (tmp_path / "expected.ipynb").read_bytes()
-    assert nbtool.format_problems(path, nbtool.read(copied), nbtool.settings()) == []
+    print(nbtool.migrate_hashes(copied, []))
+    assert copied.read_bytes() == path.read_bytes()
+
+
+# ---------------------------------------------------------------------------- an edit's price
+
+REACHED_WIDELY = "format_bytes"  # a unit of helpers.py that most notebooks reach
+SIGNATURE = "def format_bytes(nbytes: float) -> str:\n"
+
+
+def git(repo, *args: str) -> str:
+    command = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
+    command += ["-c", "commit.gpgsign=false", *args]
+    return subprocess.run(command, cwd=repo, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def collection(tmp_path, monkeypatch):
+    """A git repository holding a copy of helpers.py and the notebooks, as committed here;
+    nbtool works in it."""
+    shutil.copy(nbtool.ROOT / "helpers.py", tmp_path / "helpers.py")
+    shutil.copytree(nbtool.NOTEBOOKS, tmp_path / "notebooks")
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-q", "-m", "as committed")
+    monkeypatch.setattr(nbtool, "ROOT", tmp_path)
+    monkeypatch.setattr(nbtool, "NOTEBOOKS", tmp_path / "notebooks")
+    return tmp_path
+
+
+def _listed(out: str) -> list[str]:
+    return re.findall(r"^  (\d\d_\w+\.ipynb) ", out, re.M)
+
+
+def test_prose_edits_leave_every_notebook_current_and_a_number_does_not(collection, capsys):
+    paths = nbtool.notebook_paths()
+    runs = nbtool.read_margins(MARGINS)
+    text = (collection / "helpers.py").read_text(encoding="utf-8")
+    assert SIGNATURE in text, "pick another unit for this test"
+    reaching = [p.name for p in paths if REACHED_WIDELY in nbtool.helpers_reach(nbtool.read(p))]
+    assert len(reaching) >= 10
+    current = {p.name: len(nbtool.current_runs(p, nbtool.read(p), runs)) for p in paths}
+    # a docstring and a comment in the unit, a comment in a code cell of a notebook
+    prose = edited(text, SIGNATURE, SIGNATURE + '    """Bytes in the largest binary unit that '
+                   'fits."""\n    # three significant figures keep a column narrow\n')
+    (collection / "helpers.py").write_text(prose, encoding="utf-8", newline="")
+    first = paths[0]
+    nb = nbtool.read(first)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and not nbtool.is_setup_cell(c)
+                and re.search(r"^\s*# (?!NBVAL_)", c.source, re.M))
+    cell.source = re.sub(r"^(\s*# )(?!NBVAL_)", r"\1(a comment, edited) ", cell.source,
+                         count=1, flags=re.M)
+    nbtool.write(nb, first)
+    for path in paths:
+        nb = nbtool.read(path)
+        assert nbtool.provenance_problems(nb, path.name) == [], path.name
+        assert len(nbtool.current_runs(path, nb, runs)) == current[path.name], path.name
+    assert nbtool.main(["reach"]) == 0
+    assert "make no notebook stale" in capsys.readouterr().out
+    # one number of that unit
+    number = edited(prose, '("KiB", 2**10)', '("KiB", 2**11)')
+    (collection / "helpers.py").write_text(number, encoding="utf-8", newline="")
+    stale = [p.name for p in paths if nbtool.provenance_problems(nbtool.read(p), p.name)]
+    assert stale == reaching
+    for path in paths:
+        made = len(nbtool.current_runs(path, nbtool.read(path), runs))
+        assert made == (1 if path.name in reaching else current[path.name]), path.name
+    assert nbtool.main(["reach"]) == 0
+    out = capsys.readouterr().out
+    assert _listed(out) == reaching and f"make {len(reaching)} notebook(s) stale" in out
+    assert nbtool.main(["reach", "--unit", REACHED_WIDELY]) == 0
+    assert _listed(capsys.readouterr().out) == reaching
+
+
+def test_reach_prices_each_notebook_at_its_wall_time_times_the_runs_it_needs():
+    nb = notebook("helpers.reached(1)")
+    nb.metadata[nbtool.METADATA_KEY] = {"provenance": {"wall_seconds": 20.0}}
+    two = copy.deepcopy(nb)
+    two.metadata[nbtool.METADATA_KEY]["requires_gpus"] = 2
+    table = nbtool.price_table([(Path("00_a.ipynb"), nb, "code cells"),
+                                (Path("10_b.ipynb"), two, "helpers.py (x)")])
+    runs = 2 * nbtool.MARGIN_RUNS
+    assert f"00_a.ipynb                       20.0 s x  {runs} =   {20 * runs:3d} s  code cells" \
+        in table
+    assert "10_b.ipynb                       20.0 s x  1 =    20 s  helpers.py (x) (a 2-GPU " \
+        "machine)" in table
+    assert f"{runs + 1} runs =   {20 * runs + 20:3d} s" in table
+
+
+def test_reach_names_no_such_unit(capsys):
+    assert nbtool.main(["reach", "--unit", "format_byte"]) == 1
+    assert "helpers.py has no top-level 'format_byte' (did you mean format_bytes" in \
+        capsys.readouterr().err

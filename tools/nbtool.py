@@ -1437,16 +1437,17 @@ def runs_from_log(lines: list[dict]) -> list[dict]:
     return list(runs.values())
 
 
-def read_margins(path: Path = MARGINS) -> list[dict]:
+def read_margins(path: Path | None = None) -> list[dict]:
+    path = path or MARGINS
     return json.loads(path.read_text(encoding="utf-8"))["runs"] if path.exists() else []
 
 
-def write_margins(runs: list[dict], path: Path = MARGINS) -> None:
+def write_margins(runs: list[dict], path: Path | None = None) -> None:
     runs = sorted(runs, key=lambda r: (r["notebook"], r.get("date") or "", r["run"]))
-    path.write_text(json.dumps({"runs": runs}, indent=1) + "\n", encoding="utf-8")
+    (path or MARGINS).write_text(json.dumps({"runs": runs}, indent=1) + "\n", encoding="utf-8")
 
 
-def add_runs(new: list[dict], path: Path = MARGINS) -> int:
+def add_runs(new: list[dict], path: Path | None = None) -> int:
     """Keep ``new`` runs in the margins file (a run already kept is not added twice)."""
     runs = read_margins(path)
     known = {r["run"] for r in runs}
