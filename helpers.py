@@ -2008,7 +2008,9 @@ class CheckupReport:
     #: the host cannot keep ahead even then (not a GPU-bound step whose host time, as profiled,
     #: comes near the GPU's and whose waits make the gaps)
     host_bound_past_waits_ms: float = float("nan")
-    link_gbps: float = float("nan")  # that rate, unprofiled (not measured: nan)
+    #: the pinned copy rate, measured apart and unprofiled, at which the copies counted in
+    #: ``paced_copies`` were replayed (nan: not measured)
+    link_gbps: float = float("nan")
     #: the share of the profiled host time that matches the unprofiled step (0: the replay's
     #: device floor alone already takes the timed step's time)
     host_scale: float = float("nan")

@@ -180,9 +180,10 @@ def helpers_sha256() -> str:
 
 # What of helpers.py a notebook can reach. The notebooks' outputs depend on the parts of
 # helpers.py that their code can reach, not on the whole file: each top-level statement of
-# helpers.py is a unit, hashed by its own text (so a line shift elsewhere changes nothing); a
-# notebook reaches the units its cells name, what those units name in turn, and every statement
-# that runs on import whatever is used (an `if`, a call, `from __future__`). The stamp keeps one
+# helpers.py is a unit, hashed by its own code (runnable_text: a line shift elsewhere, a comment
+# or a docstring changes nothing); a notebook reaches the units its cells name, what those units
+# name in turn, and every statement that runs on import whatever is used (an `if`, a call,
+# `from __future__`). The stamp keeps one
 # hash per reached unit, and one (ORDER_KEY) of the order in which the reached imports,
 # assignments and other statements run, with any definitions of one name twice: moving such a
 # statement past another can change what the module holds. A notebook is stale when one of them
