@@ -9,6 +9,7 @@ import copy
 import re
 import subprocess
 import sys
+import time
 
 import nbformat
 import pytest
@@ -381,25 +382,94 @@ def test_every_agenda_fits_its_minutes_and_brings_what_it_builds_on():
             assert set(builds_on[number]) <= set(chosen), (name, number, builds_on[number])
 
 
+def _run_in_a_kernel(sources: list[str], folder) -> list:
+    """Run code cells in a fresh kernel in ``folder`` as Run all does (it stops at an error);
+    each cell's outputs."""
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in sources]
+    try:
+        NotebookClient(nb, timeout=120, kernel_name="python3",
+                       resources={"metadata": {"path": str(folder)}}).execute()
+    except CellExecutionError:
+        pass
+    return [cell.outputs for cell in nb.cells]
+
+
+ON_COLAB = "import sys, types\nsys.modules['google.colab'] = types.ModuleType('google.colab')"
+
+
+def _one_line_failure(outputs: list) -> str:
+    errors = [o for o in outputs if o.output_type == "error"]
+    assert len(errors) == 1 and len(errors[0].traceback) == 1, errors
+    assert not [o for o in outputs if o.get("name") == "stderr"], outputs  # no warning either
+    return errors[0].traceback[0]
+
+
 def test_the_set_up_cell_says_in_one_line_where_the_collection_is_not_published(tmp_path):
     # On Colab a notebook downloads helpers.py from the address in [tool.collection]; where
-    # nothing is published there (a fork, a rename), the reader gets one line, not urllib's
-    # traceback.
+    # nothing is published there (a fork, a rename), the reader gets one line, not a traceback
+    # and IPython's "To exit: use 'exit'" warning.
     conf = nbtool.settings()
-    script = (
-        "import sys, types, urllib.error, urllib.request\n"
-        "sys.modules['google.colab'] = types.ModuleType('google.colab')\n"
-        "def not_found(url, *args, **kwargs):\n"
-        "    raise urllib.error.HTTPError(url, 404, 'Not Found', None, None)\n"
-        "urllib.request.urlretrieve = not_found\n"
-        f"exec(compile({nbtool.setup_source(conf)!r}, 'set-up cell', 'exec'))\n")
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    message = done.stderr.strip()
-    assert len(message.splitlines()) == 1, message
+    not_found = ("import urllib.error, urllib.request\n"
+                 "def not_found(url, *args, **kwargs):\n"
+                 "    raise urllib.error.HTTPError(url, 404, 'Not Found', None, None)\n"
+                 "urllib.request.urlopen = not_found")
+    outputs = _run_in_a_kernel([ON_COLAB, not_found, nbtool.setup_source(conf)], tmp_path)
+    message = _one_line_failure(outputs[2])
+    assert message.startswith("Set-up failed: cannot download helpers.py from https://")
     assert conf["repository"] in message and "404" in message
     assert "[tool.collection]" in message
+
+
+def test_the_set_up_cell_gives_up_on_a_download_that_stalls(tmp_path):
+    import socket
+
+    with socket.socket() as server:  # accepts the connection, then never answers
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        source = nbtool.setup_source(nbtool.settings())
+        timeout = f"timeout={nbtool.SETUP_TIMEOUT_S})"
+        assert source.count(timeout) == 1 and source.count("https://raw.githubusercontent.com/")
+        source = source.replace(timeout, "timeout=2)").replace(
+            "https://raw.githubusercontent.com/", f"http://127.0.0.1:{port}/")
+        start = time.perf_counter()
+        outputs = _run_in_a_kernel([ON_COLAB, source], tmp_path)
+        waited = time.perf_counter() - start
+    message = _one_line_failure(outputs[1])
+    assert "timed out" in message and message.startswith("Set-up failed: cannot download")
+    assert waited < 60, waited
+
+
+def test_the_set_up_cell_says_in_one_line_that_helpers_py_is_missing(tmp_path):
+    outputs = _run_in_a_kernel([nbtool.setup_source(nbtool.settings())], tmp_path)
+    assert _one_line_failure(outputs[0]).startswith("Set-up failed: no helpers.py in this folder")
+
+
+def test_a_blank_copy_runs_outside_colab(tmp_path):
+    # `nbtool.py blank OUT` writes the copies readers predict with; outside Colab they find
+    # the helpers.py written beside them and run (here up to the cells that need CUDA).
+    written = nbtool.write_blank_copies(tmp_path)
+    assert (tmp_path / "helpers.py").read_bytes() == (ROOT / "helpers.py").read_bytes()
+
+    def without_cuda(path) -> list[str]:  # the code cells before the first that needs CUDA
+        cells = []
+        for cell in nbtool.read(path).cells:
+            if cell.cell_type == "code":
+                if nbtool.CPU_OK_TAG not in cell.metadata.get("tags", []):
+                    break
+                cells.append(cell.source)
+        return cells
+
+    path = max(written, key=lambda p: len(without_cuda(p)))
+    cells = without_cuda(path)
+    cells.append("import os\nprint(os.path.realpath(helpers.__file__))")
+    outputs = _run_in_a_kernel(cells, path.parent)
+    assert not [o for out in outputs for o in out if o.output_type == "error"], outputs
+    assert outputs[-1][0].text.strip() == str(tmp_path / "helpers.py")
 
 
 def test_the_answer_after_a_solution_is_folded_in_jupyterlab_too(notebook):

@@ -718,8 +718,10 @@ def fold_answers_in_words(nb) -> None:
 
 
 def write_blank_copies(out: Path) -> list[Path]:
-    """Each notebook without outputs in ``out``/notebooks (what the run branch holds)."""
+    """Each notebook without outputs in ``out``/notebooks (what the run branch holds), and
+    helpers.py in ``out``, where their set-up cells find it outside Colab."""
     (out / "notebooks").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(ROOT / "helpers.py", out / "helpers.py")
     written = []
     for path in notebook_paths():
         write(blank_notebook(read(path)), out / "notebooks" / path.name)
@@ -739,23 +741,38 @@ def header_source(name: str, nb, conf: dict) -> str:
             f"**The question:** {info.get('question', '')}")
 
 
+SETUP_TIMEOUT_S = 30  # the set-up cell's download: this long without an answer is a failure
+
+
 def setup_source(conf: dict) -> str:
     return f'''\
 # Set-up: find helpers.py (on Colab: download it, and install what Colab lacks, never torch).
 import os
 import sys
 
+
+class SetUpFailed(Exception):
+    def _render_traceback_(self):  # Jupyter shows this one line, not a traceback
+        return [f"Set-up failed: {{self}}"]
+
+
 if "google.colab" in sys.modules and not os.path.exists("helpers.py"):
     import urllib.request
 
     repository = "{conf['repository']}"  # where the collection is published
     helpers_url = f"https://raw.githubusercontent.com/{{repository}}/{conf['branch']}/helpers.py"
-    try:
-        urllib.request.urlretrieve(helpers_url, "helpers.py")
+    try:  # {SETUP_TIMEOUT_S} s without an answer (to connect, or between bytes) fails, not hangs
+        with urllib.request.urlopen(helpers_url, timeout={SETUP_TIMEOUT_S}) as answer:
+            downloaded = answer.read()
     except OSError as error:  # HTTP 404 where the collection is not published at that address
-        raise SystemExit(f"cannot download helpers.py from {{helpers_url}} ({{error}}): is the "
-                         "collection published there? ([tool.collection] in pyproject.toml)"
-                         ) from None
+        raise SetUpFailed(f"cannot download helpers.py from {{helpers_url}} ({{error}}): is the "
+                          "collection published there? ([tool.collection] in pyproject.toml)"
+                          ) from None
+    with open("helpers.py", "wb") as file:
+        file.write(downloaded)
+if not any(os.path.exists(os.path.join(folder, "helpers.py")) for folder in (".", "..")):
+    raise SetUpFailed("no helpers.py in this folder or the one above: open the notebook in a "
+                      "clone of the collection, or in a copy that `nbtool.py blank` wrote")
 sys.path.insert(0, ".." if os.path.exists("../helpers.py") else ".")
 import helpers  # noqa: E402
 
