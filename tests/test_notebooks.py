@@ -356,30 +356,55 @@ def test_the_syllabus_gives_reading_time_for_the_core_and_the_whole():
     assert "of reading on the core paths" in section
 
 
-def test_an_agenda_takes_what_fits_in_reading_order_with_what_each_builds_on():
-    costs = {"00": 20, "01": 20, "02": 30, "03": 25, "04": 10}
-    builds_on = {"01": ["00"], "02": ["01"], "03": ["01", "02"], "04": ["00"]}
-    assert nbtool.agenda(45, costs, builds_on) == ["00", "01"]
-    assert nbtool.agenda(60, costs, builds_on) == ["00", "01", "04"]  # 02 would not fit
-    assert nbtool.agenda(100, costs, builds_on) == ["00", "01", "02", "03"]  # 04 would not
-    assert nbtool.agenda(10, costs, builds_on) == []
-    assert nbtool.agenda(60, costs, {**builds_on, "04": ["03"]}) == ["00", "01"]  # 03 not taken
+COSTS = {"00": 20, "01": 20, "02": 30, "03": 25, "04": 10}
+BUILDS_ON = {"01": ["00"], "02": ["01"], "03": ["01", "02"], "04": ["00"]}
 
 
-def test_every_agenda_fits_its_minutes_and_brings_what_it_builds_on():
+def test_prerequisites_are_counted_by_their_fewest_steps():
+    assert nbtool.prerequisites("03", BUILDS_ON) == {"01": 1, "02": 1, "00": 2}
+    assert nbtool.prerequisites("00", BUILDS_ON) == {}
+
+
+def test_an_agenda_reaches_its_notebook_and_takes_what_it_builds_on_whole_where_it_fits():
+    fixed = nbtool.SETUP_MINUTES + nbtool.BREAK_MINUTES
+    brief = nbtool.BRIEF_MINUTES
+    # 03 whole and the rest in brief is the least; then the closest first (01, 02), then 00
+    least = fixed + 25 + 3 * brief
+    assert nbtool.agenda(least, "03", COSTS, BUILDS_ON) == [
+        ("00", "in brief"), ("01", "in brief"), ("02", "in brief"), ("03", "core path")]
+    assert nbtool.agenda(least + 20 - brief, "03", COSTS, BUILDS_ON) == [
+        ("00", "in brief"), ("01", "core path"), ("02", "in brief"), ("03", "core path")]
+    assert nbtool.agenda(fixed + 95, "03", COSTS, BUILDS_ON)[0] == ("00", "core path")
+    with pytest.raises(ValueError, match="cannot reach 03"):
+        nbtool.agenda(least - 1, "03", COSTS, BUILDS_ON)
+
+
+def test_a_schedule_starts_with_the_set_up_and_breaks_near_the_middle():
+    slots = nbtool.schedule([("00", "in brief"), ("01", "core path"), ("02", "core path")],
+                            COSTS)
+    assert slots == [("set-up", nbtool.SETUP_MINUTES), ("00 (in brief)", nbtool.BRIEF_MINUTES),
+                     ("01 (core path)", 20), ("break", nbtool.BREAK_MINUTES),
+                     ("02 (core path)", 30)]
+
+
+def test_every_agenda_sets_up_breaks_and_reaches_its_notebook_in_its_minutes():
     conf = nbtool.settings()
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     builds_on = {p.name[:2]: nbtool.read(p).metadata[nbtool.METADATA_KEY].get("builds_on", [])
                  for p in NOTEBOOKS}
-    assert conf["agendas"], "pyproject.toml names no workshop agenda"
-    for name, minutes in conf["agendas"].items():
+    assert conf["agendas"]["3 hours"]["reaches"] == "09"  # the check-up, with 07 on its way
+    for name, budget in conf["agendas"].items():
         line = next(line for line in readme.splitlines() if line.startswith(f"- **{name}**"))
-        chosen = re.search(r"notebooks ([\d, ]+) \(", line).group(1).split(", ")
-        total = float(re.search(r"\((\d+) of (\d+) minutes", line).group(1))
-        assert total <= minutes, line
-        assert len(chosen) >= 2, line
-        for number in chosen:
-            assert set(builds_on[number]) <= set(chosen), (name, number, builds_on[number])
+        assert line.startswith(f"- **{name}**, reaching {budget['reaches']}: 0:00 set-up · ")
+        assert line.count(" break · ") == 1, line
+        taken = re.findall(r"\d:\d\d (\d\d) \((core path|in brief)\)", line)
+        wanted = set(nbtool.prerequisites(budget["reaches"], builds_on)) | {budget["reaches"]}
+        assert {n for n, _ in taken} == wanted, line
+        assert (budget["reaches"], "core path") in taken, line
+        total, minutes = map(int, re.search(r"end \((\d+) of (\d+) minutes", line).groups())
+        assert total <= minutes == budget["minutes"], line
+    three_hours = next(line for line in readme.splitlines() if line.startswith("- **3 hours**"))
+    assert "07 (core path)" in three_hours and "09 (core path)" in three_hours
 
 
 def _run_in_a_kernel(sources: list[str], folder) -> list:

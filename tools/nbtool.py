@@ -1277,23 +1277,88 @@ def readme_table(paths: list[Path], conf: dict) -> str:
     return "\n".join(rows) + f"\n\nCommitted outputs come from: {source}."
 
 
+def gpu_label(name: str | None) -> str:
+    """A stamp's GPU in a table cell: "NVIDIA H100 80GB HBM3" as "H100", "2 x NVIDIA H200" as
+    "H200"."""
+    if not name:
+        return "?"
+    words = name.split(" x ")[-1].removeprefix("NVIDIA ").split()
+    return words[0] if words else "?"
+
+
 def _minutes(nb) -> float | None:
     stamp = nb.metadata.get(METADATA_KEY, {}).get("provenance")
     return None if not stamp else stamp["wall_seconds"] / 60
 
 
 DISCUSSION_MINUTES = 10  # a notebook's prediction and discussion in a workshop
+BRIEF_MINUTES = 5  # a notebook shown in brief: its question, the room's guesses, its headline
+SETUP_MINUTES = 10  # a workshop's start: open the notebook on Colab, connect a GPU, set up
+BREAK_MINUTES = 10
 
 
-def agenda(minutes: float, costs: dict[str, float], builds_on: dict[str, list[str]]) -> list[str]:
-    """The notebooks a session of ``minutes`` can hold: in reading order, each taken if every
-    notebook it builds on was taken and its cost (minutes) still fits."""
-    chosen, spent = [], 0.0
-    for number in sorted(costs):
-        if set(builds_on.get(number, [])) <= set(chosen) and spent + costs[number] <= minutes:
-            chosen.append(number)
-            spent += costs[number]
-    return chosen
+def prerequisites(number: str, builds_on: dict[str, list[str]]) -> dict[str, int]:
+    """Every notebook ``number`` builds on: 1 directly, 2 through one other, and so on (the
+    fewest steps)."""
+    steps, frontier = {}, [number]
+    while frontier:
+        frontier = sorted({other for n in frontier for other in builds_on.get(n, [])
+                           if other not in steps and other != number})
+        steps.update({other: 1 + max(steps.values(), default=0) for other in frontier})
+    return steps
+
+
+def agenda(minutes: float, reaches: str, costs: dict[str, float],
+           builds_on: dict[str, list[str]]) -> list[tuple[str, str]]:
+    """The notebooks of a workshop of ``minutes`` (set-up and a break included) that reaches
+    notebook ``reaches``: it and every notebook it builds on, in reading order, each as "core
+    path" (its cost in ``costs``) or "in brief" (BRIEF_MINUTES). ``reaches`` is taken whole,
+    then what it builds on, the closest first, each where it still fits."""
+    steps = prerequisites(reaches, builds_on)
+    needed = set(steps)
+    room = minutes - SETUP_MINUTES - BREAK_MINUTES
+    spent = costs[reaches] + BRIEF_MINUTES * len(needed)
+    if spent > room:
+        raise ValueError(f"{minutes} minutes cannot reach {reaches}: it and what it builds on "
+                         f"in brief take {spent + SETUP_MINUTES + BREAK_MINUTES:.0f}")
+    whole = {reaches}
+    for number in sorted(needed, key=lambda n: (steps[n], n)):
+        if spent - BRIEF_MINUTES + costs[number] <= room:
+            whole.add(number)
+            spent += costs[number] - BRIEF_MINUTES
+    return [(n, "core path" if n in whole else "in brief") for n in sorted(needed | {reaches})]
+
+
+def schedule(taken: list[tuple[str, str]], costs: dict[str, float]) -> list[tuple[str, float]]:
+    """A workshop's slots with their minutes: the set-up, the notebooks, and a break at the
+    notebook boundary nearest the middle."""
+    slots = [("set-up", SETUP_MINUTES)]
+    slots += [(f"{n} ({how})", costs[n] if how == "core path" else BRIEF_MINUTES)
+              for n, how in taken]
+    total = sum(m for _, m in slots) + BREAK_MINUTES
+    ends = [sum(m for _, m in slots[:i + 1]) for i in range(len(slots))]
+    middle = min(range(1, len(slots)), key=lambda i: abs(ends[i] - total / 2))
+    return slots[:middle + 1] + [("break", BREAK_MINUTES)] + slots[middle + 1:]
+
+
+def _clock(minutes: float) -> str:
+    return f"{int(minutes // 60)}:{int(minutes % 60):02d}"
+
+
+def agenda_line(name: str, budget: dict, costs: dict[str, float], reading: dict[str, float],
+                gpu: dict[str, float], builds_on: dict[str, list[str]]) -> str:
+    """One agenda of the README: its slots with their start times, and what its time is."""
+    taken = agenda(budget["minutes"], budget["reaches"], costs, builds_on)
+    slots, start, shown = schedule(taken, costs), 0.0, []
+    for what, length in slots:
+        shown.append(f"{_clock(start)} {what}")
+        start += length
+    whole = [n for n, how in taken if how == "core path"]
+    return (f"- **{name}**, reaching {budget['reaches']}: " + " · ".join(shown)
+            + f" · {_clock(start)} end ({start:.0f} of {budget['minutes']} minutes: "
+            f"{sum(reading[n] for n in whole):.0f} of reading on the core paths, "
+            f"{DISCUSSION_MINUTES * len(whole)} of discussion, "
+            f"{sum(gpu[n] for n in whole):.1f} of GPU time as the committed runs measured it)")
 
 
 def teaching_section(paths: list[Path], conf: dict) -> str:
@@ -1301,14 +1366,14 @@ def teaching_section(paths: list[Path], conf: dict) -> str:
     their recorded measurements: regenerated, never typed."""
     notebooks = {path.name[:2]: (path, read(path)) for path in paths}
     rows = ["| # | the question | builds on | concepts | reading, core / whole | "
-            "GPU time (committed run) |", "|---|---|---|---|---|---|"]
+            "GPU time (committed run, its GPU) |", "|---|---|---|---|---|---|"]
     reading = {}
     for number, (path, nb) in notebooks.items():
         info = nb.metadata.get(METADATA_KEY, {})
         minutes = _minutes(nb)
         needs = info.get("requires_gpus", 1)
-        gpu_time = "not run yet" if minutes is None else f"{minutes:.1f} min"
-        gpu_time += f" on {needs} GPUs" if needs > 1 else ""
+        gpu_time = "not run yet" if minutes is None else f"{minutes:.1f} min on " + (
+            f"{needs} GPUs, " if needs > 1 else "") + gpu_label(info["provenance"].get("gpu"))
         sizes = core_sizes(nb)
         reading[number] = reading_minutes(*sizes["core"])
         whole = reading_minutes(*sizes["whole"])
@@ -1319,22 +1384,21 @@ def teaching_section(paths: list[Path], conf: dict) -> str:
     agendas = ["", f"Reading time counts {WORDS_A_MINUTE} words or {CODE_LINES_A_MINUTE} lines "
                "of code a minute; the core path is what comes before a notebook's "
                f"\"{GOING_FURTHER[3:]}\" section (the whole notebook where it has none yet).",
-               "", "Suggested agendas, computed to fit their time: each notebook's core path "
-               f"read, {DISCUSSION_MINUTES} minutes of prediction and discussion, and its GPU "
-               "time (the committed run's wall time); notebooks are taken in reading order, "
-               "each with every notebook it builds on:", ""]
+               "", "Suggested agendas, computed to fit their time and to reach the notebook "
+               f"each names: {SETUP_MINUTES} minutes to set up (open the notebook on Colab, "
+               f"connect a GPU, run the set-up cell) and a {BREAK_MINUTES}-minute break; that "
+               "notebook and what it builds on closest to it each as a core path (read, "
+               f"{DISCUSSION_MINUTES} minutes of prediction and discussion, and its GPU time: "
+               "the committed run's wall time, on the GPU named in the table above); the "
+               f"others in brief ({BRIEF_MINUTES} minutes: the question, the room's guesses, "
+               "the headline and the figure). Times are from the start:", ""]
     costs = {n: reading[n] + DISCUSSION_MINUTES + (_minutes(nb) or 0)
              for n, (_, nb) in notebooks.items()}
+    gpu = {n: _minutes(nb) or 0 for n, (_, nb) in notebooks.items()}
     builds_on = {n: nb.metadata.get(METADATA_KEY, {}).get("builds_on", [])
                  for n, (_, nb) in notebooks.items()}
     for name, budget in conf.get("agendas", {}).items():
-        chosen = agenda(budget, costs, builds_on)
-        gpu = sum(_minutes(notebooks[n][1]) or 0 for n in chosen)
-        agendas.append(f"- **{name}**: notebooks {', '.join(chosen)} "
-                       f"({sum(costs[n] for n in chosen):.0f} of {budget} minutes: "
-                       f"{sum(reading[n] for n in chosen):.0f} of reading on the core paths, "
-                       f"{DISCUSSION_MINUTES * len(chosen)} of discussion, {gpu:.1f} of GPU "
-                       "time)")
+        agendas.append(agenda_line(name, budget, costs, reading, gpu, builds_on))
     rules = ["", "### Rules of thumb", "",
              "Each rule cites the measurement that supports it, from the notebook's committed "
              "run.", ""]
