@@ -177,6 +177,20 @@ def test_figures_are_named_after_their_notebook():
     assert strays == []
 
 
+def test_the_one_page_sheet_is_current_linked_and_drawn():
+    sheet = (ROOT / "SHEET.md").read_text(encoding="utf-8")
+    assert sheet == nbtool.sheet_markdown(NOTEBOOKS), "SHEET.md is stale: nbtool.py check --fix"
+    rules = [r["rule"] for p in NOTEBOOKS
+             for r in nbtool.read(p).metadata[nbtool.METADATA_KEY].get("rules", [])]
+    assert rules and all(f"- [ ] {rule} ([" in sheet for rule in rules)
+    assert "](SHEET.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
+    drawing = (ROOT / nbtool.SHEET_FIGURE).read_text(encoding="utf-8")
+    for step in ("pageable", "pinned", "copy engines", "device memory", "side stream",
+                 "compute stream"):
+        assert step in drawing, step
+    assert "<title" in drawing and "<desc" in drawing  # read aloud by a screen reader
+
+
 def test_readme_generated_sections_are_current():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert nbtool.current_readme(readme, NOTEBOOKS, nbtool.settings()) == readme, (

@@ -1420,6 +1420,28 @@ def readme_with_table(text: str, table: str) -> str:
     return _replace_between(text, TABLE_START, TABLE_END, table)
 
 
+SHEET = ROOT / "SHEET.md"  # the one-page sheet: the data path drawn, the rules as a checklist
+SHEET_FIGURE = "figures/sheet_data_path.svg"  # drawn by hand, not by a notebook
+
+
+def sheet_markdown(paths: list[Path]) -> str:
+    """The one-page sheet for a workshop's room: the data path, and every notebook's rules of
+    thumb as a checklist (without their numbers, which are the notebooks' answers)."""
+    lines = ["# Host memory to GPU and back, on one page", "",
+             f"![The data path: pageable host memory is copied into pinned memory, from which a "
+             f"copy engine moves it over the link into device memory; on a side stream the copy "
+             f"of the next batch hides behind the current step]({SHEET_FIGURE})", "",
+             "## Checklist", "",
+             "Each rule is measured in the notebook named after it. Generated from the notebooks "
+             "by `python tools/nbtool.py check --fix`; the numbers behind each rule are in the "
+             "README and in the notebooks.", ""]
+    for path in paths:
+        nb = read(path)
+        for rule in nb.metadata.get(METADATA_KEY, {}).get("rules", []):
+            lines.append(f"- [ ] {rule['rule']} ([{path.name[:2]}](notebooks/{path.name}))")
+    return "\n".join(lines) + "\n"
+
+
 def current_readme(text: str, paths: list[Path], conf: dict) -> str:
     """The README with its generated sections (notebook table, teaching, margins)
     regenerated."""
@@ -1940,6 +1962,12 @@ def _check(fix_mode: bool) -> int:
         else:
             problems.append("README.md: the notebook table or the teaching section is out of "
                             "date")
+    sheet = sheet_markdown(notebook_paths())
+    if not SHEET.exists() or SHEET.read_text(encoding="utf-8") != sheet:
+        if fix_mode:
+            SHEET.write_text(sheet, encoding="utf-8")
+        else:
+            problems.append("SHEET.md: the one-page sheet is out of date")
     for problem in problems:
         print(problem)
     hint = "" if fix_mode else " (python tools/nbtool.py check --fix rewrites them)"
