@@ -42,8 +42,11 @@ def test_canonical_format(notebook):
 
 def saved_as_jupyterlab_saves(path, destination):
     """Write ``path`` as JupyterLab 4 saves it after opening it: the running kernel's spec and
-    language_info in the metadata, and the JSON from JavaScript's JSON.stringify (indent 1),
-    which has no float type, so that 20.0 is written 20."""
+    language_info (this Python's version) in the metadata, ``collapsed`` set on each code cell
+    whose outputs are hidden (JupyterLab mirrors ``jupyter.outputs_hidden`` into it), and the
+    JSON from JavaScript's JSON.stringify, which has no float type, so that 20.0 is written 20,
+    as the server's nbformat writes it (keys sorted, indent 1). tests/test_jupyterlab.py checks
+    it against a real JupyterLab's save, byte for byte."""
     import json
 
     def javascript_numbers(value):
@@ -56,13 +59,17 @@ def saved_as_jupyterlab_saves(path, destination):
         return value
 
     saved = javascript_numbers(json.loads(path.read_text(encoding="utf-8")))
+    for cell in saved["cells"]:
+        if cell["cell_type"] == "code" and cell["metadata"].get("jupyter", {}).get(
+                "outputs_hidden"):
+            cell["metadata"]["collapsed"] = True
     saved["metadata"]["kernelspec"] = {"display_name": "Python 3 (ipykernel)",
                                        "language": "python", "name": "python3"}
     saved["metadata"]["language_info"] = {
         "codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
         "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
-        "pygments_lexer": "ipython3", "version": "3.11.7"}
-    destination.write_text(json.dumps(saved, indent=1, ensure_ascii=False) + "\n",
+        "pygments_lexer": "ipython3", "version": sys.version.split()[0]}
+    destination.write_text(json.dumps(saved, indent=1, sort_keys=True, ensure_ascii=False) + "\n",
                            encoding="utf-8")
     return destination
 
@@ -71,7 +78,7 @@ def test_a_notebook_jupyterlab_saved_passes_the_checks(notebook, tmp_path):
     # A teacher opens a notebook in JupyterLab, autosave rewrites it, then the tests run.
     path, nb = notebook
     saved = nbtool.read(saved_as_jupyterlab_saves(path, tmp_path / path.name))
-    assert saved.metadata.kernelspec.display_name == "Python 3 (ipykernel)"  # it did change
+    assert saved.metadata.kernelspec.display_name == "Python 3 (ipykernel)"  # ipykernel's
     assert nbtool.format_problems(path, saved, nbtool.settings()) == []
     assert nbtool.provenance_problems(saved, path.name) == []
     assert nbtool.headline_texts(saved) == nbtool.headline_texts(nb)
@@ -189,6 +196,17 @@ def test_the_one_page_sheet_is_current_linked_and_drawn():
                  "compute stream"):
         assert step in drawing, step
     assert "<title" in drawing and "<desc" in drawing  # read aloud by a screen reader
+
+
+def test_the_readme_keeps_the_answers_folded():
+    # The headline results and the measurements behind the rules answer the predictions: a
+    # reader who wants to predict meets them only inside a <details> fold.
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    shown = re.sub(r"<details>.*?</details>", "", readme, flags=re.S)
+    answers = [text for p in NOTEBOOKS for text in nbtool.headline_texts(nbtool.read(p))]
+    assert answers and all(text in readme for text in answers)
+    assert [text for text in answers if text in shown] == []
+    assert readme.count("<summary>") >= 2
 
 
 def test_readme_generated_sections_are_current():
@@ -509,6 +527,24 @@ def test_a_blank_copy_runs_outside_colab(tmp_path):
     outputs = _run_in_a_kernel(cells, path.parent)
     assert not [o for out in outputs for o in out if o.output_type == "error"], outputs
     assert outputs[-1][0].text.strip() == str(tmp_path / "helpers.py")
+
+
+def test_a_folded_cell_shows_only_its_label(notebook):
+    # JupyterLab shows a folded cell's first line in its place: an answer there is given away.
+    path, nb = notebook
+    folded = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"
+              and nbtool.is_folded(c)]
+    assert folded, f"{path.name}: no folded answer"
+    assert nbtool.fold_label_problems(path.name, nb) == []
+    told = copy.deepcopy(nb)
+    cell = told.cells[folded[0]]
+    cell.source = cell.source.replace("\n\n", " ", 1)  # the answer back on the label's line
+    problems = nbtool.fold_label_problems(path.name, told)
+    assert problems == [f"{path.name}, cell {folded[0]}: a folded cell's first line shows: it "
+                        f"should be only one of {', '.join(nbtool.FOLD_LABELS)} (check --fix "
+                        "moves the rest below it)"]
+    nbtool.fix(told, path, nbtool.settings())
+    assert told.cells[folded[0]].source == nb.cells[folded[0]].source
 
 
 def test_the_answer_after_a_solution_is_folded_in_jupyterlab_too(notebook):

@@ -87,13 +87,15 @@ def notebook_spec(path: Path, conf: dict) -> PageSpec:
 
 @functools.cache
 def expected_pages() -> tuple[PageSpec, ...]:
-    """The landing page (every notebook's headline numbers, a link to every page) and one page
-    per notebook (its headline numbers and provenance, its badge, its .ipynb, its solutions)."""
+    """The landing page (the fold of every notebook's headline numbers, a link to every page)
+    and one page per notebook (its headline numbers and provenance, its badge, its .ipynb, its
+    solutions)."""
     conf = nbtool.settings()
     paths = nbtool.notebook_paths()
     notebooks = [notebook_spec(path, conf) for path in paths]
     landing = PageSpec("index.html",
-                       texts=[t for p in paths for t in nbtool.headline_texts(nbtool.read(p))],
+                       texts=["The headline results of the committed runs (answers to the "
+                              "notebooks' predictions: open them after you have predicted)"],
                        links=[s.path for s in notebooks]
                        + [nbtool.run_url(p.name, conf) for p in paths])
     return (landing, *notebooks)
@@ -142,7 +144,14 @@ def link_problems(site: Path, origin: str, hrefs: list[str]) -> list[str]:
     return problems
 
 
+#: A page's figures: the article's images but the Colab badge.
+FIGURES = "article.bd-article img:not([alt='Open In Colab'])"
 _IMAGES_JS = """async () => {
+  const FIGURES = "__FIGURES__";
+  const column = () => {  // the width of the article's content box
+    const article = document.querySelector('article.bd-article'), style = getComputedStyle(article);
+    return article.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+  };
   const images = [...document.images];
   images.forEach(i => { i.loading = 'eager'; });
   await Promise.all(images.map(i => i.complete ? null : new Promise(done => {
@@ -151,26 +160,75 @@ _IMAGES_JS = """async () => {
   })));
   return images.map(i => ({src: i.currentSrc || i.src, natural: i.naturalWidth,
                            shown: i.getBoundingClientRect().width,
-                           figure: !!i.closest('.cell_output'), alt: i.alt,
+                           figure: i.matches(FIGURES), alt: i.alt,
                            caption: (i.closest('figure')?.querySelector('figcaption')
-                                     ?.innerText || '').trim()}));
+                                     ?.innerText || '').trim(),
+                           enlarge: i.closest('a[href]')?.href === (i.currentSrc || i.src),
+                           ratio: i.height / i.width,
+                           natural_ratio: i.naturalHeight / i.naturalWidth,
+                           right: i.getBoundingClientRect().right, column: column()}));
+}""".replace("__FIGURES__", FIGURES)
+#: A block's lines (its text split at its line breaks, blank ones left out), each with the
+#: number of line boxes it renders on and how far (px) it reaches past the block's content box,
+#: measured with ranges over the text, whatever markup holds it.
+_LINES_FN = """(pre) => {
+  const nodes = [], walker = document.createTreeWalker(pre, NodeFilter.SHOW_TEXT);
+  let text = '';
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    nodes.push([node, text.length]);
+    text += node.data;
+  }
+  const at = (offset) => {
+    let k = nodes.length - 1;
+    while (k > 0 && nodes[k][1] > offset) k--;
+    return [nodes[k][0], offset - nodes[k][1]];
+  };
+  const style = getComputedStyle(pre);
+  const edge = pre.getBoundingClientRect().left + pre.clientLeft + pre.clientWidth
+    - parseFloat(style.paddingRight);
+  const lines = [];
+  let start = 0;
+  for (const line of text.split('\\n')) {
+    if (line.trim()) {
+      const range = document.createRange();
+      range.setStart(...at(start));
+      range.setEnd(...at(start + line.length));
+      const rects = [...range.getClientRects()].filter(r => r.width > 0);
+      const tops = rects.map(r => r.top).sort((a, b) => a - b);
+      lines.push({text: line, boxes: tops.filter((top, i) => !i || top > tops[i - 1] + 2).length,
+                  past: Math.max(...rects.map(r => r.right), edge) - edge});
+    }
+    start += line.length + 1;
+  }
+  return lines;
 }"""
 _LAYOUT_JS = """() => {
+  const lines = __LINES__;
   const wide = [...document.querySelectorAll('div.highlight pre, div.cell_output pre')]
     .filter(b => b.scrollWidth > b.clientWidth + 1)
-    .map(b => b.textContent.split('\\n').reduce((a, l) => l.length > a.length ? l : a, ''));
+    .map(b => ({output: !!b.closest('div.cell_output'), lines: lines(b)}));
   return {page: document.documentElement.scrollWidth, wide: wide};
-}"""
+}""".replace("__LINES__", _LINES_FN)
 
 
 def figure_problems(image: dict, viewport: dict) -> list[str]:
-    """A figure is never shown under READABLE_SCALE of its size, says in words what it shows
-    (alt text, not its file name) and has a caption."""
+    """A figure fits the column (scaled down, its aspect kept), is never shown under
+    READABLE_SCALE of its size on a wide screen (on a narrower one, where it may be, a link
+    enlarges it: site.js opens it at its full size), says in words what it shows (alt text, not
+    its file name) and has a caption."""
     problems = []
     name = image["src"].rsplit("/", 1)[-1]
-    if image["shown"] < image["natural"] * READABLE_SCALE - 1:
+    small = image["shown"] < image["natural"] * READABLE_SCALE - 1
+    if small and (viewport["width"] >= VIEWPORT["width"] or not image["enlarge"]):
         problems.append(f"{viewport['width']} px: figure too small to read: {name} shown "
-                        f"{image['shown']:.0f} px wide of {image['natural']}")
+                        f"{image['shown']:.0f} px wide of {image['natural']}"
+                        + ("" if image["enlarge"] else ", and nothing enlarges it"))
+    if image["shown"] > image["column"] + 1 or image["right"] > viewport["width"]:
+        problems.append(f"{viewport['width']} px: figure wider than the column: {name} shown "
+                        f"{image['shown']:.0f} px wide, the column is {image['column']:.0f}")
+    if image["shown"] and abs(image["ratio"] - image["natural_ratio"]) > 0.02 * image[
+            "natural_ratio"]:
+        problems.append(f"{viewport['width']} px: figure out of shape: {name}")
     if len(image["alt"].split()) < 4 or image["alt"].endswith(".png"):
         problems.append(f"figure without alt text: {name} (alt '{image['alt']}')")
     if not image["caption"]:
@@ -178,16 +236,138 @@ def figure_problems(image: dict, viewport: dict) -> list[str]:
     return problems
 
 
+def _wider_than_the_column(block: dict) -> list[str]:
+    """The lines that make a block scroll sideways and should not: of code, its longest line; of
+    an output, its lines past the column that are not table rows (a table row never wraps:
+    table_problems), or its longest line where no table row is past the column."""
+    longest = max((line["text"] for line in block["lines"]), key=len, default="")
+    if not block["output"]:
+        return [longest]
+    past = [line["text"] for line in block["lines"] if line["past"] > 1]
+    if not any(nbtool.TABLE_ROW.search(line) for line in past):
+        return [longest]
+    return [line for line in past if not nbtool.TABLE_ROW.search(line)]
+
+
 def layout_problems(page, viewport: dict) -> list[str]:
     """No page is wider than the screen; on a wide screen (1400 px) no block of code or output
-    scrolls sideways (on a phone such a block scrolls in its own box)."""
+    scrolls sideways but a table wider than the column (on a phone such a block scrolls in its
+    own box)."""
     layout = page.evaluate(_LAYOUT_JS)
     problems = []
     if layout["page"] > viewport["width"]:
         problems.append(f"{viewport['width']} px: the page is {layout['page']} px wide")
     if viewport["width"] >= VIEWPORT["width"]:
         problems += [f"{viewport['width']} px: a block wider than the column: '{line.strip()}'"
-                     for line in layout["wide"]]
+                     for block in layout["wide"] for line in _wider_than_the_column(block)]
+    return problems
+
+
+#: Every text output, the folded ones opened: its lines (_LINES_FN), whether it scrolls sideways
+#: and whether it shows that it does: a fade at its right edge (site.js and site.css draw it as
+#: the ::after of the block's box while there is more to its right).
+_TABLES_JS = """() => {
+  const lines = __LINES__;
+  const fade = (pre) => {
+    const style = getComputedStyle(pre.parentElement, '::after');
+    return style.content !== 'none' && parseFloat(style.opacity) >= 0.5
+      && parseFloat(style.width) >= 16;
+  };
+  return [...document.querySelectorAll('div.cell_output pre')]
+    .filter(pre => pre.getClientRects().length)
+    .map(pre => ({lines: lines(pre), scrolls: pre.scrollWidth > pre.clientWidth + 1,
+                  sign: fade(pre)}));
+}""".replace("__LINES__", _LINES_FN)
+#: The first line of each output that still fades at its edge once scrolled to its end.
+_FADE_AT_THE_END_JS = """async () => {
+  const wide = [...document.querySelectorAll('div.cell_output pre')]
+    .filter(pre => pre.getClientRects().length && pre.scrollWidth > pre.clientWidth + 1);
+  wide.forEach(pre => { pre.scrollLeft = pre.scrollWidth; });
+  await new Promise(done => setTimeout(done, 150));
+  const left = wide.filter(pre => parseFloat(getComputedStyle(pre.parentElement, '::after')
+    .opacity) >= 0.5).map(pre => pre.textContent.trim().split('\\n')[0]);
+  wide.forEach(pre => { pre.scrollLeft = 0; });
+  return left;
+}"""
+
+
+def table_problems(browser, origin: str, path: str, viewport: dict) -> list[str]:
+    """What is wrong with a page's text outputs at one screen width, its folded ones opened: a
+    table row (nbtool.TABLE_ROW) that renders on more than one line box, a block wider than its
+    box with no sign that it scrolls sideways (a fade at its edge, gone once scrolled to the
+    end), a page wider than the screen."""
+    context = browser.new_context(viewport=viewport)
+    page = context.new_page()
+    width, problems = viewport["width"], []
+    try:
+        page.goto(f"{origin}/{path}", wait_until="load")
+        page.evaluate("() => document.querySelectorAll('details').forEach(d => { d.open = true; })")
+        page.wait_for_timeout(200)
+        for block in page.evaluate(_TABLES_JS):
+            problems += [f"{width} px: a table row wraps onto {line['boxes']} lines: "
+                         f"'{line['text'].strip()}'" for line in block["lines"]
+                         if nbtool.TABLE_ROW.search(line["text"]) and line["boxes"] > 1]
+            if block["scrolls"] and not block["sign"]:
+                problems.append(f"{width} px: an output scrolls sideways with no sign that it "
+                                f"does: '{block['lines'][0]['text'].strip()}'")
+        problems += [f"{width} px: an output still fades at its edge once scrolled to its end: "
+                     f"'{line}'" for line in page.evaluate(_FADE_AT_THE_END_JS)]
+        wide = page.evaluate("() => document.documentElement.scrollWidth")
+        if wide > width:
+            problems.append(f"{width} px: the page is {wide} px wide")
+    finally:
+        context.close()
+    return problems
+
+
+_FIGURE_SOURCES_JS = f"""() => [...document.querySelectorAll("{FIGURES}")]
+  .map(i => [i.currentSrc || i.src, i.naturalWidth])"""
+_OPEN_DIALOG_IMAGE_JS = """async () => {
+  const image = document.querySelector('dialog[open] img');
+  if (!image) return null;
+  if (!image.complete) await new Promise(done => {
+    image.addEventListener('load', done); image.addEventListener('error', done);
+  });
+  return {src: image.currentSrc || image.src, shown: image.getBoundingClientRect().width,
+          page: document.documentElement.scrollWidth};
+}"""
+
+
+def enlarge_problems(browser, origin: str, path: str, viewport: dict) -> list[str]:
+    """Each figure of a page, clicked, opens at its full size (its own PNG, as wide as its
+    pixels) over the page, without leaving it or widening it, and closes with Escape."""
+    context = browser.new_context(viewport=viewport)
+    page = context.new_page()
+    width, problems = viewport["width"], []
+    try:
+        url = f"{origin}/{path}"
+        page.goto(url, wait_until="load")
+        page.evaluate(_IMAGES_JS)  # every image loaded
+        images = page.locator(FIGURES)
+        for index, (src, natural) in enumerate(page.evaluate(_FIGURE_SOURCES_JS)):
+            name = src.rsplit("/", 1)[-1]
+            images.nth(index).click()
+            page.wait_for_timeout(100)
+            if page.url.split("#")[0] != url:
+                problems.append(f"{width} px: clicking {name} left the page for {page.url}")
+                break
+            shown = page.evaluate(_OPEN_DIALOG_IMAGE_JS)
+            if shown is None:
+                problems.append(f"{width} px: clicking {name} enlarged nothing")
+                continue
+            if shown["src"] != src or shown["shown"] < natural - 1:
+                problems.append(f"{width} px: clicking {name} showed {shown['src']} "
+                                f"{shown['shown']:.0f} px wide, not its {natural} px")
+            if shown["page"] > width:
+                problems.append(f"{width} px: {name} enlarged widens the page to "
+                                f"{shown['page']} px")
+            page.keyboard.press("Escape")
+            page.wait_for_timeout(50)
+            if page.locator("dialog[open]").count():
+                problems.append(f"{width} px: {name} enlarged does not close with Escape")
+                break
+    finally:
+        context.close()
     return problems
 
 
@@ -467,9 +647,11 @@ def test_each_notebook_page_offers_the_committed_notebook_to_download_and_to_ope
     try:
         page.goto(f"{origin}/{spec.path}")
         header = page.locator(".bd-header-article")
-        launch = header.locator(f'a[href="{nbtool.colab_url(name, nbtool.settings())}"]')
+        # Colab opens the copy without outputs (the run branch), as the page's badge does
+        launch = header.locator(f'a[href="{nbtool.run_url(name, nbtool.settings())}"]')
+        answered = header.locator(f'a[href="{nbtool.colab_url(name, nbtool.settings())}"]')
         download = header.locator(f'a[href*="_sources/"][href$="/{name}"]')
-        assert launch.count() == 1 and download.count() == 1
+        assert launch.count() == 1 and download.count() == 1 and answered.count() == 0
         served = page.request.get(download.get_attribute("href", timeout=5000)
                                   if "://" in download.get_attribute("href")
                                   else urllib.parse.urljoin(page.url, download.get_attribute(
@@ -619,8 +801,8 @@ def test_every_block_of_code_has_a_copy_button_and_no_output_has_one(browser, or
 
 def test_the_layout_check_reports_planted_faults(browser, site, tmp_path):
     """A figure without alt text or caption, a word that widens the page on a phone, a line of
-    code wider than the column at 1400 px, and figures left to shrink on a phone (site.js
-    gone) each make the check fail, and name what is wrong."""
+    code wider than the column at 1400 px, and figures shrunk on a phone with nothing to
+    enlarge them (site.js gone) each make the check fail, and name what is wrong."""
     faulty = tmp_path / "site"
     shutil.copytree(site, faulty)
     spec = expected_pages()[4]
@@ -645,3 +827,85 @@ def test_the_layout_check_reports_planted_faults(browser, site, tmp_path):
     assert any("a block wider than the column" in p and "y" * 130 in p for p in desktop), desktop
     assert any(p.startswith("390 px: figure too small to read") for p in phone), phone
     assert not any("too small to read" in p for p in desktop), desktop
+
+
+@pytest.mark.parametrize("viewport", [PHONE, VIEWPORT], ids=lambda v: f"{v['width']}px")
+@pytest.mark.parametrize("spec", expected_pages()[1:], ids=lambda s: s.path)
+def test_no_table_row_wraps_and_a_wide_table_scrolls_in_its_own_box(browser, origin, spec,
+                                                                     viewport):
+    assert table_problems(browser, origin, spec.path, viewport) == []
+
+
+@pytest.mark.parametrize("viewport", [PHONE, VIEWPORT], ids=lambda v: f"{v['width']}px")
+@pytest.mark.parametrize("spec", expected_pages(), ids=lambda s: s.path)
+def test_each_figure_opens_at_its_full_size_when_clicked(browser, origin, spec, viewport):
+    assert enlarge_problems(browser, origin, spec.path, viewport) == []
+
+
+def _landing_figures() -> dict[str, str]:
+    """The README's figures, each with the caption of the notebook that draws it."""
+    captions = {f["name"]: f["caption"] for path in nbtool.notebook_paths()
+                for cell in nbtool.read(path).cells for f in nbtool.figure_texts(cell)}
+    names = re.findall(r"^!\[[^\]]*\]\(figures/([\w-]+)\.png\)$",
+                       nbtool.README.read_text(encoding="utf-8"), re.M)
+    return {name: captions[name] for name in names}
+
+
+def test_the_landing_page_folds_the_headline_results(browser, origin):
+    # They answer the predictions: hidden until the reader opens the fold, then all there.
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    try:
+        page.goto(f"{origin}/index.html", wait_until="load")
+        texts = [t for path in nbtool.notebook_paths()
+                 for t in nbtool.headline_texts(nbtool.read(path))]
+        fold = page.locator("details", has_text="The headline results of the committed runs")
+        assert fold.count() == 1
+        shown = _visible_text(page.locator("main"))
+        assert [t for t in texts if _squeezed(t) in shown] == []
+        fold.locator("summary").click()
+        shown = _visible_text(page.locator("main"))
+        assert [t for t in texts if _squeezed(t) not in shown] == []
+    finally:
+        page.close()
+
+
+@pytest.mark.parametrize("viewport", [PHONE, VIEWPORT], ids=lambda v: f"{v['width']}px")
+def test_the_landing_figure_fills_the_column_and_its_caption_says_what_it_shows(
+        browser, origin, viewport):
+    expected = _landing_figures()
+    assert expected
+    page = browser.new_page(viewport=viewport)
+    try:
+        page.goto(f"{origin}/index.html", wait_until="load")
+        shown = {image["src"].rsplit("/", 1)[-1].removesuffix(".png"): image
+                 for image in page.evaluate(_IMAGES_JS) if image["figure"]}
+        for name, caption in expected.items():
+            assert name in shown, (name, list(shown))
+            assert abs(shown[name]["shown"] - shown[name]["column"]) <= 1, shown[name]
+            assert _squeezed(caption) in _squeezed(shown[name]["caption"]), shown[name]
+    finally:
+        page.close()
+
+
+def test_the_table_and_figure_checks_report_planted_faults(browser, site, tmp_path):
+    """Table rows left to wrap (their marks gone from a page), wide tables with no sign that
+    they scroll and figures that nothing enlarges (site.js gone) each make the checks fail."""
+    faulty = tmp_path / "site"
+    shutil.copytree(site, faulty)
+    pages = [spec.path for spec in expected_pages()[1:]]
+    unmarked, unfaded = (next(p for p in pages if p.startswith(f"notebooks/{n}_"))
+                         for n in ("06", "08"))
+    path = faulty / unmarked
+    text = path.read_text(encoding="utf-8")
+    bare = re.sub(rf'<span class="{nbtool.TABLE_ROW_CLASS}">([^<]*)</span>', r"\1", text)
+    assert bare != text
+    path.write_text(bare, encoding="utf-8")
+    (faulty / "_static" / "site.js").write_text("", encoding="utf-8")
+    with serve(faulty) as address:
+        wrapped = table_problems(browser, address, unmarked, VIEWPORT)
+        unsigned = table_problems(browser, address, unfaded, PHONE)
+        small = enlarge_problems(browser, address, unfaded, PHONE)
+    assert any(p.startswith("1400 px: a table row wraps") for p in wrapped), wrapped
+    assert any(p.startswith("390 px: an output scrolls sideways with no sign") for p in unsigned), \
+        unsigned
+    assert any(p.startswith("390 px: clicking") and "enlarged nothing" in p for p in small), small

@@ -21,6 +21,9 @@
     python tools/nbtool.py migrate-hashes [NOTEBOOK ...]   rehash stamps made over the code's
                                                 text over its code (comments and docstrings cut),
                                                 where that text is the one that ran
+    python tools/nbtool.py lab [ARG ...]         JupyterLab (jupyter lab ARG ...) that saves a
+                                                notebook it only opened as it was, whatever the
+                                                reader's Python (tools/lab.py)
 
 The tests import the functions below, so that what `run` stamps and what the tests verify is
 computed by one piece of code.
@@ -783,12 +786,17 @@ CANONICAL_METADATA = {
     "accelerator": "GPU",
     "colab": {"gpuType": "T4", "provenance": []},
 }
-# The kernel must be python3, the one nbval and Colab start. Its display name and
-# language_info are left to the front end: JupyterLab rewrites them on opening a notebook
-# ("Python 3 (ipykernel)", the reader's Python version) and saves them, and a notebook it saved
-# must still pass the checks.
+# The kernel must be python3, the one nbval and Colab start. JupyterLab, on opening a notebook,
+# writes the kernel's spec and language_info into its metadata; where either differs from what
+# the notebook holds, it marks the notebook modified and autosaves it, numbers as JavaScript
+# writes them (20.0 as 20), and the reader's `git pull` refuses (tests/test_jupyterlab.py). So
+# the kernelspec is exactly what JupyterLab writes for ipykernel's own, display name included.
+# language_info is the kernel's that executed the notebook (nbclient writes it): a reader's
+# kernel matches it on that Python version only, and on another JupyterLab rewrites the notebook
+# whatever it holds. A notebook JupyterLab saved still passes the checks (the kernelspec's
+# display name aside, where the reader's kernelspec has another: `check --fix` restores it).
 KERNEL = {"name": "python3", "language": "python"}
-NEW_KERNELSPEC = {"display_name": "Python 3", **KERNEL}
+NEW_KERNELSPEC = {"display_name": "Python 3 (ipykernel)", **KERNEL}  # ipykernel's, as it writes
 
 
 def is_solution_cell(cell) -> bool:
@@ -920,6 +928,9 @@ def issue_link_problems(name: str, nb) -> list[str]:
 # the checks only on a click (they still run, and nbval compares them).
 PREDICTION = re.compile(r"^\*\*Predict", re.M)  # a prompt: "**Predict before you run.**"
 SHORT_ANSWER = "**Short answer.**"  # a markdown cell, folded, right after the prediction
+ANSWER_LABEL = "**The answer.**"  # the answer in words after an exercise's solution, folded
+# A folded cell's first line is all JupyterLab shows of it: the label alone, never the answer.
+FOLD_LABELS = (SHORT_ANSWER, ANSWER_LABEL)
 GUESS = re.compile(r"^(my_guess\w*) = ", re.M)  # the reader's typed prediction
 ANSWERED = re.compile(r"helpers\.answer\([^)]*?\b(my_guess\w*)\b", re.S)
 # Notebooks whose predictions are typed and echoed by helpers.answer; the set only grows, to
@@ -970,6 +981,23 @@ def is_folded(cell) -> bool:
 
 def is_short_answer(cell) -> bool:
     return cell.cell_type == "markdown" and cell.source.startswith(SHORT_ANSWER)
+
+
+def labelled(source: str, label: str) -> str:
+    """``source`` with ``label`` as a line of its own on top (JupyterLab shows a folded cell's
+    first line)."""
+    rest = source.removeprefix(label) if source.startswith(label) else source
+    return f"{label}\n\n{rest.lstrip()}"
+
+
+def fold_label_problems(name: str, nb) -> list[str]:
+    """A folded markdown cell's first line, which JupyterLab shows in place of the cell, is
+    only its label: it gives nothing away."""
+    return [f"{name}, cell {i}: a folded cell's first line shows: it should be only one of "
+            f"{', '.join(FOLD_LABELS)} (check --fix moves the rest below it)"
+            for i, cell in enumerate(nb.cells)
+            if cell.cell_type == "markdown" and is_folded(cell)
+            and cell.source.split("\n", 1)[0].strip() not in FOLD_LABELS]
 
 
 def prediction_problems(name: str, nb, typed: frozenset = TYPED_PREDICTIONS) -> list[str]:
@@ -1171,6 +1199,9 @@ def format_problems(path: Path, nb, conf: dict) -> list[str]:
     kernelspec = nb.metadata.get("kernelspec", {})
     if {key: kernelspec.get(key) for key in KERNEL} != KERNEL:
         problems.append(f"{name}: metadata.kernelspec should name the kernel {KERNEL}")
+    elif kernelspec != NEW_KERNELSPEC:
+        problems.append(f"{name}: metadata.kernelspec should be {NEW_KERNELSPEC}, what "
+                        "JupyterLab writes (any other: modified as it opens, then autosaved)")
     cells = nb.cells
     if not cells or cells[0].cell_type != "markdown" or cells[0].source != header_source(
             name, nb, conf):
@@ -1183,6 +1214,7 @@ def format_problems(path: Path, nb, conf: dict) -> list[str]:
     return (problems + solution_problems(name, nb) + teaching_problems(name, nb)
             + figure_problems(name, nb) + issue_link_problems(name, nb)
             + prediction_problems(name, nb) + bookkeeping_problems(name, nb)
+            + fold_label_problems(name, nb)
             + core_problems(name, nb))
 
 
@@ -1190,9 +1222,7 @@ def fix(nb, path: Path, conf: dict) -> None:
     """Rewrite the header, the set-up cell and the Colab metadata into canonical form."""
     for key, value in CANONICAL_METADATA.items():
         nb.metadata[key] = value
-    kernelspec = nb.metadata.setdefault("kernelspec", dict(NEW_KERNELSPEC))
-    kernelspec.update(KERNEL)
-    kernelspec.setdefault("display_name", NEW_KERNELSPEC["display_name"])
+    nb.metadata["kernelspec"] = dict(NEW_KERNELSPEC)
     header = nbformat.v4.new_markdown_cell(header_source(path.name, nb, conf))
     if nb.cells and nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# "):
         nb.cells[0].source = header.source
@@ -1200,6 +1230,7 @@ def fix(nb, path: Path, conf: dict) -> None:
         nb.cells.insert(0, header)
     for i in answer_cells(nb):
         nb.cells[i].metadata.setdefault("jupyter", {})["source_hidden"] = True
+        nb.cells[i].source = labelled(nb.cells[i].source, ANSWER_LABEL)
     if len(nb.cells) > 1 and is_setup_cell(nb.cells[1]):
         nb.cells[1].source = setup_source(conf)
     else:
@@ -1219,6 +1250,7 @@ def fix(nb, path: Path, conf: dict) -> None:
             cell.source = linked_issues(cell.source)
         if is_short_answer(cell):
             cell.metadata.setdefault("jupyter", {})["source_hidden"] = True
+            cell.source = labelled(cell.source, SHORT_ANSWER)
     for _, cell in _core_cells(nb):
         if is_bookkeeping_cell(cell):
             cell.metadata.setdefault("jupyter", {}).update(source_hidden=True,
@@ -1257,24 +1289,31 @@ def run_text(stamp: dict) -> str:
             f"Python {stamp['python']}")
 
 
+ANSWERS_FOLD = ("<details>\n<summary>{summary} (answers to the notebooks' predictions: open "
+                "them after you have predicted)</summary>\n\n{body}\n\n</details>")
+
+
 def readme_table(paths: list[Path], conf: dict) -> str:
-    rows = ["| # | notebook: the question | headline result (committed run) | run it yourself |",
-            "|---|---|---|---|"]
-    runs = set()
+    """The README's notebook table, and each notebook's headline results folded below it: they
+    answer the predictions, so a reader meets them only on a click."""
+    rows = ["| # | notebook: the question | run it yourself |", "|---|---|---|"]
+    results, runs = [], set()
     for path in paths:
         nb = read(path)
         info = nb.metadata.get(METADATA_KEY, {})
-        result = "; ".join(headline_texts(nb)) or "not run yet"
         needs = info.get("requires_gpus", 1)
         needs = f" *Needs {needs} GPUs.*" if needs > 1 else ""
         rows.append(f"| {path.name[:2]} | [{info.get('title', path.stem)}](notebooks/"
-                    f"{path.name}): {info.get('question', '')}{needs} | {result} | "
+                    f"{path.name}): {info.get('question', '')}{needs} | "
                     f"[![Open In Colab]({COLAB_BADGE})]({run_url(path.name, conf)}) |")
+        results.append(f"- {path.name[:2]}: " + ("; ".join(headline_texts(nb)) or "not run yet"))
         stamp = info.get("provenance")
         if stamp:
             runs.add(run_text(stamp))
     source = "; ".join(sorted(runs)) or "no notebook has been executed yet"
-    return "\n".join(rows) + f"\n\nCommitted outputs come from: {source}."
+    folded = ANSWERS_FOLD.format(summary="The headline results of the committed runs",
+                                 body="\n".join(results))
+    return "\n".join(rows) + f"\n\n{folded}\n\nCommitted outputs come from: {source}."
 
 
 def gpu_label(name: str | None) -> str:
@@ -1399,16 +1438,19 @@ def teaching_section(paths: list[Path], conf: dict) -> str:
                  for n, (_, nb) in notebooks.items()}
     for name, budget in conf.get("agendas", {}).items():
         agendas.append(agenda_line(name, budget, costs, reading, gpu, builds_on))
-    rules = ["", "### Rules of thumb", "",
-             "Each rule cites the measurement that supports it, from the notebook's committed "
-             "run.", ""]
+    rules = []
     for number, (path, nb) in notebooks.items():
         measured = {m["key"]: m for m in outputs_metadata(nb, "measurement")}
         for rule in nb.metadata.get(METADATA_KEY, {}).get("rules", []):
             m = measured.get(rule["evidence"])
             evidence = measurement_text(m) if m else "not measured yet"
             rules.append(f"- {rule['rule']} *{evidence}* ([{number}](notebooks/{path.name}))")
-    return "\n".join(rows + agendas + rules)
+    folded = ANSWERS_FOLD.format(summary="The rules of thumb, each with the measurement behind "
+                                 "it", body="\n".join(rules))
+    return "\n".join(rows + agendas + ["", "### Rules of thumb", "", "Each rule cites the "
+                                        "measurement that supports it, from the notebook's "
+                                        "committed run; [SHEET.md](SHEET.md) lists them without "
+                                        "their numbers.", "", folded])
 
 
 def _replace_between(text: str, start_mark: str, end_mark: str, body: str) -> str:
@@ -1754,6 +1796,11 @@ REMOVE_OUTPUT_TAG = "remove-output"  # myst-nb leaves out the outputs of a cell 
 REMOVE_INPUT_TAG = "remove-input"  # ... or its source
 ANSWER_SUMMARY = "Show the answer"  # the fold of the answer in words, after a solution
 _RELATIVE_LINK = re.compile(r"(\]\()(?!https?:|mailto:|#)([^)\s#]+)(#[^)\s]*)?(\))")
+#: A line of a text output is a table row when a run of two or more spaces separates two of its
+#: non-space characters (columns aligned with spaces). The site never wraps a table row (a table
+#: wider than the column scrolls sideways in its own box) and wraps any other line (prose).
+TABLE_ROW = re.compile(r"\S {2,}\S")
+TABLE_ROW_CLASS = "table-row"  # the span finish_site puts each table row in (site.css: nowrap)
 
 
 def site_title() -> str:
@@ -1863,12 +1910,32 @@ def site_notebook(nb, name: str, conf: dict):
 
 
 MAINTAINERS_FROM = "## Test"  # the README's sections from here on are for maintainers
+_README_FIGURE = re.compile(r"^!\[([^\]\n]+)\]\((figures/([\w-]+)\.png)\)[ \t]*$", re.M)
+
+
+def site_landing_figures(text: str, paths: list[Path]) -> str:
+    """``text`` with each figure that stands alone on its line (``![alt](figures/NAME.png)``)
+    as a figure the column's width, captioned as the notebook that draws it captions it, with a
+    link to that notebook."""
+    drawn = {figure["name"]: (path, figure) for path in paths for cell in read(path).cells
+             for figure in figure_texts(cell)}
+
+    def figure(match: re.Match) -> str:
+        alt, target, name = match.groups()
+        if name not in drawn or not drawn[name][1].get("caption"):
+            return match.group(0)
+        path, texts = drawn[name]
+        return (f"```{{figure}} {target}\n:alt: {alt}\n:name: landing-{name}\n:width: 100%\n\n"
+                f"From [notebook {path.name[:2]}](notebooks/{path.name}): {texts['caption']}\n```")
+
+    return _README_FIGURE.sub(figure, text)
 
 
 def site_landing_page(readme: str, paths: list[Path], conf: dict) -> str:
     """The README's sections for readers as the site's first page (the notebooks, teaching,
     set-up; testing and building stay on GitHub): notebooks and figures link within the site,
-    other files of the repository to GitHub; a table of contents in notebook order."""
+    other files of the repository to GitHub; its figures captioned; a table of contents in
+    notebook order."""
     local = {f"notebooks/{p.name}" for p in paths}
 
     def link(match: re.Match) -> str:
@@ -1886,6 +1953,7 @@ def site_landing_page(readme: str, paths: list[Path], conf: dict) -> str:
                 f"and building this site: see the [README on GitHub]"
                 f"({github_url('README.md', conf)}).\n")
     text = _RELATIVE_LINK.sub(link, readers).replace(COLAB_BADGE, SITE_BADGE)
+    text = site_landing_figures(text, paths)
     entries = "\n".join(f"notebooks/{p.stem}" for p in paths)
     return f"{text.rstrip()}\n\n```{{toctree}}\n:hidden:\n:caption: Notebooks\n\n{entries}\n```\n"
 
@@ -1909,15 +1977,35 @@ _FONTAWESOME_JS = re.compile(r'\s*<script defer src="[^"]*_static/scripts/fontaw
                              r"</script>")
 
 
+# A text output as myst-nb writes it: an empty span, then the text, HTML-escaped (an output
+# with markup in it, colours, is left as it is).
+_TEXT_OUTPUT = re.compile(r'(<div class="output [^"]*"><div class="highlight"><pre>'
+                          r"<span></span>)([^<]*)(</pre>)")
+
+
+def site_table_rows(page: str) -> str:
+    """``page`` (HTML) with each table row (TABLE_ROW) of its text outputs in a span of class
+    TABLE_ROW_CLASS, which site.css never wraps. The rule reads the escaped text: an entity
+    (&gt;) holds no space, so a line is a row escaped or not."""
+    def rows(match: re.Match) -> str:
+        lines = [f'<span class="{TABLE_ROW_CLASS}">{line}</span>' if TABLE_ROW.search(line)
+                 else line for line in match.group(2).split("\n")]
+        return match.group(1) + "\n".join(lines) + match.group(3)
+
+    return _TEXT_OUTPUT.sub(rows, page)
+
+
 def finish_site(html: Path) -> None:
     """What the build leaves to do: the header's download button serves the committed notebook
-    (not the site's staged copy of it), and no page loads the Font Awesome script."""
+    (not the site's staged copy of it), no page loads the Font Awesome script, and the rows of
+    the tables that outputs print are marked (site_table_rows)."""
     for path in notebook_paths():
         shutil.copy(path, html / "_sources" / "notebooks" / path.name)
     for page in html.rglob("*.html"):
         text = page.read_text(encoding="utf-8")
-        if _FONTAWESOME_JS.search(text):
-            page.write_text(_FONTAWESOME_JS.sub("", text), encoding="utf-8")
+        finished = site_table_rows(_FONTAWESOME_JS.sub("", text))
+        if finished != text:
+            page.write_text(finished, encoding="utf-8")
     for script in (html / "_static" / "scripts").glob("fontawesome.js*"):
         script.unlink()
 
@@ -1938,6 +2026,32 @@ def build_site(out: Path = SITE) -> Path:
             shutil.rmtree(out)
         shutil.copytree(html, out)
     return out
+
+
+# ---------------------------------------------------------------------------- the lab
+
+# JupyterLab rewrites a notebook it only opened where the kernel's Python differs from the one
+# that executed it (tools/lab.py says how); `lab` starts it with tools/lab.py's pre-save hook,
+# which saves such a notebook as it was. Any real edit saves as JupyterLab sends it.
+
+
+def lab_argv(args: list[str]) -> list[str]:
+    """``jupyter lab``'s arguments for `lab`: ``args``, then the hook (importable by its name:
+    ROOT is on sys.path)."""
+    from tools.lab import HOOK
+
+    return [*args, f"--ContentsManager.pre_save_hook={HOOK}"]
+
+
+def _lab(args: list[str]) -> int:
+    """``jupyter lab ARGS`` with the hook, in this process (where the hook imports; its kernels
+    start as plain ``jupyter lab`` starts them), until it stops."""
+    from jupyterlab.labapp import LabApp
+
+    argv = lab_argv(args)
+    print(f"jupyter lab {' '.join(argv)}", flush=True)
+    LabApp.launch_instance(argv=argv)
+    return 0
 
 
 # ---------------------------------------------------------------------------- command line
@@ -2038,7 +2152,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="a top-level name of helpers.py (repeatable)")
     reach.add_argument("--since", default="HEAD", metavar="REV",
                        help="compare the working tree with this revision (default: HEAD)")
-    args = parser.parse_args(argv)
+    jupyter = sub.add_parser("lab", help="JupyterLab that saves a notebook it only opened as it "
+                             "was (a kernel on another Python than the notebook's included)")
+    jupyter.add_argument("args", nargs="*", metavar="ARG",
+                         help="jupyter lab's (its --help-all lists them), passed as given")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "lab":  # everything after it is jupyter lab's (argparse reorders options)
+        return _lab(argv[argv.index("lab") + 1:])
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "migrate-hashes":
         return _migrate_hashes([p.resolve() for p in args.notebooks])
     if args.command == "reach":

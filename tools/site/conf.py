@@ -58,3 +58,18 @@ html_theme_options = {
 }
 # Light or dark as the reader's system is set (the figures keep a white ground: site.css).
 html_context = {"default_mode": "auto"}
+
+
+def colab_runs_the_copy_without_outputs(app, pagename, templatename, context, doctree):
+    """The header's Colab button opens the notebook's copy without outputs (the run branch), as
+    the page's badge does: the theme's would open the committed run, answers and all."""
+    for group in context.get("header_buttons", []):
+        for button in group.get("buttons", []):
+            if button.get("text") == "Colab":
+                button["url"] = nbtool.run_url(f"{Path(pagename).name}.ipynb", _conf)
+                button["tooltip"] = "Run it on Colab (no outputs: predict first)"
+
+
+def setup(app):
+    # after the theme's launch buttons (priority 501)
+    app.connect("html-page-context", colab_runs_the_copy_without_outputs, priority=502)
