@@ -605,6 +605,28 @@ def test_page(browser, site, origin, spec, viewport):
     assert check_page(browser, site, origin, spec, shot, viewport) == []
 
 
+@pytest.mark.parametrize("viewport", [PHONE, VIEWPORT], ids=lambda v: f"{v['width']}px")
+def test_the_one_page_sheet_is_a_page_of_the_site(browser, site, origin, viewport):
+    # The room's sheet: its drawing and every rule, linked from the landing page.
+    rules = [r["rule"] for p in nbtool.notebook_paths()
+             for r in nbtool.read(p).metadata[nbtool.METADATA_KEY].get("rules", [])]
+    spec = PageSpec("SHEET.html", texts=rules,
+                    links=[s.path for s in expected_pages()[1:]])
+    assert check_page(browser, site, origin, spec, viewport=viewport) == []
+    page = browser.new_page(viewport=viewport)
+    try:
+        page.goto(f"{origin}/SHEET.html", wait_until="load")
+        drawing = page.locator("main img[src$='sheet_data_path.svg']")
+        assert drawing.count() == 1
+        size = drawing.evaluate("i => [i.naturalWidth, i.getBoundingClientRect().width, "
+                                "i.closest('main').getBoundingClientRect().width]")
+        assert size[0] > 0 and size[1] <= size[2] + 1, size
+        page.goto(f"{origin}/index.html", wait_until="load")
+        assert page.locator("main a[href$='SHEET.html']").count() >= 1
+    finally:
+        page.close()
+
+
 def test_search_finds_the_notebooks_and_links_their_sections(browser, site, origin):
     pages = [spec.path for spec in expected_pages()[1:]]
     assert search_problems(browser, site, origin, SEARCH_WORD, pages) == []

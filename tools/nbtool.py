@@ -1466,13 +1466,19 @@ SHEET = ROOT / "SHEET.md"  # the one-page sheet: the data path drawn, the rules 
 SHEET_FIGURE = "figures/sheet_data_path.svg"  # drawn by hand, not by a notebook
 
 
-def sheet_markdown(paths: list[Path]) -> str:
+SHEET_ALT = ("The data path: pageable host memory is copied into pinned memory, from which a "
+             "copy engine moves it over the link into device memory; on a side stream the copy "
+             "of the next batch hides behind the current step")
+SHEET_CAPTION = "The data path from host memory to the GPU, and a copy hiding behind compute."
+
+
+def sheet_markdown(paths: list[Path], site: bool = False) -> str:
     """The one-page sheet for a workshop's room: the data path, and every notebook's rules of
-    thumb as a checklist (without their numbers, which are the notebooks' answers)."""
-    lines = ["# Host memory to GPU and back, on one page", "",
-             f"![The data path: pageable host memory is copied into pinned memory, from which a "
-             f"copy engine moves it over the link into device memory; on a side stream the copy "
-             f"of the next batch hides behind the current step]({SHEET_FIGURE})", "",
+    thumb as a checklist (without their numbers, which are the notebooks' answers). For the
+    site (``site``), the drawing is a captioned figure."""
+    drawing = (f"```{{figure}} {SHEET_FIGURE}\n:alt: {SHEET_ALT}\n:width: 100%\n\n"
+               f"{SHEET_CAPTION}\n```" if site else f"![{SHEET_ALT}]({SHEET_FIGURE})")
+    lines = ["# Host memory to GPU and back, on one page", "", drawing, "",
              "## Checklist", "",
              "Each rule is measured in the notebook named after it. Generated from the notebooks "
              "by `python tools/nbtool.py check --fix`; the numbers behind each rule are in the "
@@ -1936,7 +1942,7 @@ def site_landing_page(readme: str, paths: list[Path], conf: dict) -> str:
     set-up; testing and building stay on GitHub): notebooks and figures link within the site,
     other files of the repository to GitHub; its figures captioned; a table of contents in
     notebook order."""
-    local = {f"notebooks/{p.name}" for p in paths}
+    local = {f"notebooks/{p.name}" for p in paths} | {SHEET.name}
 
     def link(match: re.Match) -> str:
         target = match.group(2)
@@ -1955,11 +1961,13 @@ def site_landing_page(readme: str, paths: list[Path], conf: dict) -> str:
     text = _RELATIVE_LINK.sub(link, readers).replace(COLAB_BADGE, SITE_BADGE)
     text = site_landing_figures(text, paths)
     entries = "\n".join(f"notebooks/{p.stem}" for p in paths)
-    return f"{text.rstrip()}\n\n```{{toctree}}\n:hidden:\n:caption: Notebooks\n\n{entries}\n```\n"
+    return (f"{text.rstrip()}\n\n```{{toctree}}\n:hidden:\n:caption: Notebooks\n\n{entries}\n```"
+            f"\n\n```{{toctree}}\n:hidden:\n:caption: For the room\n\n{SHEET.stem}\n```\n")
 
 
 def stage_site(src: Path, conf: dict) -> None:
-    """The site's sources, in ``src``: the landing page, the notebooks' copies, the figures."""
+    """The site's sources, in ``src``: the landing page, the notebooks' copies, the figures,
+    the one-page sheet."""
     paths = notebook_paths()
     (src / "notebooks").mkdir(parents=True)
     for path in paths:
@@ -1969,6 +1977,7 @@ def stage_site(src: Path, conf: dict) -> None:
     shutil.copy(SITE_CONFIG / "colab-badge.svg", src / "_assets")
     (src / "index.md").write_text(site_landing_page(README.read_text(encoding="utf-8"), paths,
                                                     conf), encoding="utf-8")
+    (src / SHEET.name).write_text(sheet_markdown(paths, site=True), encoding="utf-8")
 
 
 # pydata-sphinx-theme loads Font Awesome twice: as web fonts from its stylesheet, which draw the

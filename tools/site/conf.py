@@ -33,6 +33,7 @@ nb_code_prompt_show = "Show the solution"
 nb_code_prompt_hide = "Hide the solution"
 
 myst_heading_anchors = 3  # the README's "#section" links
+myst_enable_extensions = ["tasklist"]  # SHEET.md's checklist: "- [ ] rule" as a box to tick
 smartquotes = False  # labels such as .to("cpu") must read as in the code and the README
 
 html_theme = "sphinx_book_theme"
