@@ -4200,8 +4200,12 @@ class GraphedStep:
     Before the capture the step runs ``warmup`` times on the example batch, on a side stream, so
     that lazy set-up (cuBLAS workspaces, the allocator's blocks) happens outside the capture;
     those runs train like any other step, and the caller's stream waits for them. An optimizer
-    that counts its steps on the host needs ``capturable=True`` (Adam, AdamW); SGD is captured
-    as it is.
+    that counts its steps on the host needs ``capturable=True`` (Adam, AdamW). What the step reads
+    from Python at capture is fixed in the graph: SGD's learning rate, a float, stays the
+    captured one whatever ``param_groups`` say later: capture again to change it.
+
+    A replay reads one shape and dtype: ``load`` refuses, in one line, a batch of another (a
+    last partial batch, say), where ``copy_`` would broadcast a smaller one silently.
     """
 
     def __init__(self, step: Callable, example: Sequence[torch.Tensor], *,
@@ -4241,6 +4245,7 @@ class GraphedStep:
         copy it into ``staging`` on the host, first waiting (``wait``) until the last replay's
         copies have read them. Before the first replay it never waits: the last record of
         ``copied`` is then the capture's, which no replay has run."""
+        self._refuse_unlike(batch)
         if not self.staged:
             for static, tensor in zip(self.inputs, batch, strict=True):
                 static.copy_(tensor, non_blocking=True)
@@ -4249,6 +4254,22 @@ class GraphedStep:
             self.copied.synchronize()
         for buffer, tensor in zip(self.staging, batch, strict=True):
             buffer.copy_(tensor)
+
+    def _refuse_unlike(self, batch: Sequence[torch.Tensor]) -> None:
+        """Raise ValueError, in one line, where ``batch`` is not the captured batch's kind."""
+        if len(batch) != len(self.inputs):
+            raise ValueError(f"GraphedStep: {len(batch)} tensors, the captured step reads "
+                             f"{len(self.inputs)}")
+        for index, (static, tensor) in enumerate(zip(self.inputs, batch, strict=True)):
+            if tensor.shape != static.shape:
+                raise ValueError(
+                    f"GraphedStep: input {index} has shape {tuple(tensor.shape)}, the captured "
+                    f"step reads {tuple(static.shape)}: drop a last partial batch "
+                    "(DataLoader(drop_last=True)), pad it to that shape with a mask, or capture "
+                    "a second GraphedStep for it")
+            if tensor.dtype != static.dtype:
+                raise ValueError(f"GraphedStep: input {index} is {tensor.dtype}, the captured "
+                                 f"step reads {static.dtype}: convert it first")
 
     def replay(self):
         """Queue the step on the current stream; returns ``output``."""

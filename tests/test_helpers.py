@@ -3651,6 +3651,31 @@ def test_graphed_step_warms_up_on_a_side_stream_and_replays_in_place(fake_graphs
     assert kept[0].item() == 10  # a kept output holds what the next replay wrote
 
 
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("batch, refused", [
+    ([torch.ones(1, 2)], "input 0 has shape (1, 2), the captured step reads (4, 2): drop a last "
+                         "partial batch (DataLoader(drop_last=True)), pad it to that shape with "
+                         "a mask, or capture a second GraphedStep for it"),
+    ([torch.ones(5, 2)], "input 0 has shape (5, 2), the captured step reads (4, 2)"),
+    ([torch.ones(4, 2, dtype=torch.float64)], "input 0 is torch.float64, the captured step "
+                                              "reads torch.float32: convert it first"),
+    ([torch.ones(4, 2), torch.ones(4, 2)], "2 tensors, the captured step reads 1"),
+])
+def test_a_graphed_step_refuses_a_batch_unlike_the_captured_one(fake_graphs, staged, batch,
+                                                                refused):
+    # copy_ broadcasts: a last batch of one sample would train the graph on four copies of it
+    log, _ = fake_graphs
+    graphed = helpers.GraphedStep(lambda x: x * 2, [torch.zeros(4, 2)], staged=staged,
+                                  warmup=1, device="cpu")
+    before = [t.clone() for t in graphed.inputs + graphed.staging]
+    with pytest.raises(ValueError) as raised:
+        graphed(*batch)
+    assert str(raised.value).startswith(f"GraphedStep: {refused}")
+    assert len(str(raised.value).splitlines()) == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, graphed.inputs + graphed.staging,
+                                                 strict=True))  # nothing copied
+
+
 def test_a_staged_graphed_step_refills_its_buffers_only_after_its_event(fake_graphs):
     log, _ = fake_graphs
     graphed = helpers.GraphedStep(_doubling_step(log), [torch.zeros(4)], staged=True, warmup=1,
@@ -3755,6 +3780,25 @@ def test_graphed_step_trains_as_the_eager_step_does(staged):
                                                                              rel=1e-5)
     for ours, theirs in zip(graph_model.parameters(), eager_model.parameters(), strict=True):
         torch.testing.assert_close(ours, theirs)
+
+
+@needs_cuda
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_graphed_training_step_refuses_a_last_partial_batch(staged):
+    # DataLoader's default drop_last=False ends an epoch on a smaller batch: one sample would
+    # have trained the graph on 16 copies of it, 17 raised copy_'s bare RuntimeError
+    model, step = _mlp_and_sgd_step()
+    example = (torch.randn(16, 32), torch.randint(0, 10, (16,)))
+    graphed = helpers.GraphedStep(step, [t.pin_memory() for t in example], staged=staged)
+    weights = [p.detach().clone() for p in model.parameters()]
+    for size in (1, 17):
+        last = (torch.randn(size, 32).pin_memory(), torch.randint(0, 10, (size,)).pin_memory())
+        with pytest.raises(ValueError, match=rf"input 0 has shape \({size}, 32\), the captured "
+                                             r"step reads \(16, 32\): drop a last partial batch"):
+            graphed(*last)
+    torch.cuda.synchronize()
+    for ours, before in zip(model.parameters(), weights, strict=True):
+        torch.testing.assert_close(ours, before)  # no replay ran on it
 
 
 @needs_cuda
