@@ -54,14 +54,11 @@ from types import SimpleNamespace
 import nbformat
 import pytest
 from test_notebooks import saved_as_jupyterlab_saves
+from test_site import CHROMIUM, CHROMIUM_ARGS
 
 from tools import lab as lab_hook
 from tools import nbtool
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync"]
 AUTOSAVE_S = 1  # JupyterLab's autosave interval here (its default: 120 s)
 HOLD_S = 3 * AUTOSAVE_S + 2  # unmodified this long after the kernel's metadata came: no save
 TIMEOUT_MS = 120_000  # for each wait: the server, the page, the kernel, a save
@@ -377,14 +374,14 @@ SETTLED = """(holdMs) => {
 }"""
 
 # a markdown cell added at the end, as the reader adds one
-EDIT = """(source) => {
+ADD_CELL = """(source) => {
   const {widget, seen} = window.reader;
   seen.savesBeforeEdit = seen.saves.length;
   widget.model.sharedModel.insertCell(widget.model.cells.length, {cell_type: 'markdown', source});
   seen.modifiedByEdit = widget.model.dirty;
 }"""
 
-SAVED_AFTER_EDIT = """() => {
+SAVED_AFTER_ADDING = """() => {
   const {widget, seen} = window.reader;
   return !widget.model.dirty && seen.saves.slice(seen.savesBeforeEdit).includes('completed');
 }"""
@@ -419,8 +416,8 @@ def open_as_a_reader(page, path: str, edit: str | None = None) -> dict:
     try:
         page.wait_for_function(SETTLED, arg=HOLD_S * 1000, timeout=TIMEOUT_MS, polling=200)
         if edit is not None:
-            page.evaluate(EDIT, edit)
-            page.wait_for_function(SAVED_AFTER_EDIT, timeout=TIMEOUT_MS, polling=200)
+            page.evaluate(ADD_CELL, edit)
+            page.wait_for_function(SAVED_AFTER_ADDING, timeout=TIMEOUT_MS, polling=200)
     except PlaywrightTimeout:
         timed_out = True  # modified and never saved, or the kernel never idle: reported below
     seen = page.evaluate(CLOSE, TIMEOUT_MS)

@@ -324,7 +324,8 @@ def test_a_helpers_name_only_in_a_comment_is_not_reached():
 HASHING_SCRIPT = """\
 import ast, glob, hashlib, io, json, sys, tokenize
 source = open("tools/nbtool.py").read()
-wanted = {"_docstrings", "_column", "_parsed", "runnable_text", "NBVAL_MARKER"}
+wanted = {"_docstrings", "_column", "_one_newline", "_parsed", "runnable_text",
+          "NBVAL_MARKER"}
 namespace = {"ast": ast, "io": io, "tokenize": tokenize}
 for node in ast.parse(source).body:
     names = [getattr(t, "id", None) for t in getattr(node, "targets", [])]

@@ -127,8 +127,15 @@ def _column(line: str, utf8_offset: int) -> int:
     return len(line.encode("utf-8")[:utf8_offset].decode("utf-8"))
 
 
+def _one_newline(source: str) -> str:
+    """``source`` with every line break as "\\n" (ast's and tokenize's rows then agree)."""
+    return source.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def _parsed(source: str):
-    """``source``'s syntax tree and tokens, or None where it is not Python (an IPython magic)."""
+    """``source``'s syntax tree and tokens (of ``_one_newline(source)``), or None where it is
+    not Python (an IPython magic)."""
+    source = _one_newline(source)
     try:
         flags = ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT  # as IPython runs a cell
         tree = compile(source, "<code>", "exec", flags=flags, dont_inherit=True)
@@ -142,7 +149,7 @@ def runnable_text(source: str) -> str:
     """``source`` as the hashes see it: without its comments (nbval's markers kept) and
     docstrings, without blank lines and trailing spaces outside string literals. Source that
     does not parse as Python is hashed as written."""
-    source = source.replace("\r\n", "\n").replace("\r", "\n")
+    source = _one_newline(source)
     parsed = _parsed(source)
     if parsed is None:
         return source
@@ -424,7 +431,7 @@ _QUOTES_SOURCE = re.compile(r'helpers\.py(?:", line |:)\d+|Cell In\[\d+\], line 
 def prose_reads(source: str, own: set[str]) -> list[str]:
     """What in ``source`` reads a docstring, or the source of code named in ``own``: text the
     hashes leave out. Source that is not Python is searched as text (``helpers.x?`` too)."""
-    parsed = _parsed(source.replace("\r\n", "\n").replace("\r", "\n"))
+    parsed = _parsed(source)
     if parsed is None:
         found = re.findall(r"__doc__|\bhelp\(|getdoc|getsource|pydoc|\?\s*$", source, re.M)
         return [f.strip() or "?" for f in found]
@@ -443,7 +450,7 @@ def prose_reads(source: str, own: set[str]) -> list[str]:
 
 
 def _defined_names(source: str) -> set[str]:
-    parsed = _parsed(source.replace("\r\n", "\n").replace("\r", "\n"))
+    parsed = _parsed(source)
     return set() if parsed is None else {
         n.name for n in ast.walk(parsed[0])
         if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
