@@ -1574,6 +1574,13 @@ _END = object()
 # Activations saved for backward, offloaded to pinned host memory on side streams (notebook 11)
 
 
+def pinned_block_bytes(nbytes: int) -> int:
+    """What PyTorch's caching host allocator pins for a request of ``nbytes`` (notebook 11): the
+    next power of two, so that a freed block serves later requests of its size class (a 96 MiB
+    buffer pins 128 MiB; pytorch/pytorch#150517 reports up to about twice the memory asked for)."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
 class PinnedPool:
     """Host buffers that activations travel through, reused from one step to the next.
 
@@ -1581,48 +1588,63 @@ class PinnedPool:
     fits one. ``take`` hands out a free buffer of the key, or allocates one (pinned, unless
     ``pin=False``), with its *fences*: the events recorded after the last copies that used it,
     which whoever writes it next must wait for. ``give`` takes a buffer back with its new fences.
-    The pool holds at most ``max_bytes`` in all: to allocate past that, it first drops free
-    buffers of other keys, and if that is not enough it raises ``MemoryError``.
+
+    The pool holds at most ``max_bytes`` in all, counted as the host allocator pins them: a
+    pinned buffer costs ``pinned_block_bytes`` of its size (a power of two), a pageable one its
+    size. To allocate past that, it first drops free buffers of other keys, and if that is not
+    enough it raises ``MemoryError``. ``asked_bytes`` is what its buffers hold; ``held_bytes``
+    what they cost.
     """
 
     def __init__(self, max_bytes: int, *, pin: bool = True):
         import threading
 
         self.max_bytes, self.pin = max_bytes, pin
-        self.held_bytes = 0  # the buffers in use and the free ones
+        self.held_bytes = 0  # the buffers in use and the free ones, as pinned
+        self.asked_bytes = 0  # the same buffers, as asked for
         self.allocations = 0  # buffers allocated so far: a steady loop stops adding to it
         self._free: dict[tuple, list] = collections.defaultdict(list)
         self._lock = threading.Lock()  # buffers come back from autograd's backward thread
 
+    def cost(self, numel: int, dtype: torch.dtype) -> int:
+        """The host memory a buffer of ``numel`` elements of ``dtype`` takes."""
+        nbytes = numel * dtype.itemsize
+        return pinned_block_bytes(nbytes) if self.pin else nbytes
+
     @property
     def free_bytes(self) -> int:
         with self._lock:
-            return sum(k[0] * k[1].itemsize * len(v) for k, v in self._free.items())
+            return sum(self.cost(*key) * len(free) for key, free in self._free.items())
+
+    def _drop_free(self, key: tuple) -> None:
+        # A dropped pinned block is not handed out again before the copies recorded on it are
+        # done: PyTorch's caching host allocator keeps their events.
+        self._free[key].pop()
+        self.held_bytes -= self.cost(*key)
+        self.asked_bytes -= key[0] * key[1].itemsize
 
     def take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, list]:
-        key = (numel, dtype)
+        key, nbytes, cost = (numel, dtype), numel * dtype.itemsize, self.cost(numel, dtype)
         with self._lock:
             if self._free[key]:
                 return self._free[key].pop()
-            nbytes = numel * dtype.itemsize
-            while self.held_bytes + nbytes > self.max_bytes:
+            while self.held_bytes + cost > self.max_bytes:
                 other = next((k for k, free in self._free.items() if free), None)
                 if other is None:
                     raise MemoryError(
                         f"the pinned pool holds {format_bytes(self.held_bytes)}, all in use, of "
-                        f"at most {format_bytes(self.max_bytes)}: {format_bytes(nbytes)} more "
+                        f"at most {format_bytes(self.max_bytes)}: {format_bytes(cost)} more "
                         "do not fit; raise its max_bytes or offload fewer activations")
-                # A dropped pinned block is not handed out again before the copies recorded
-                # on it are done: PyTorch's caching host allocator keeps their events.
-                self._free[other].pop()
-                self.held_bytes -= other[0] * other[1].itemsize
-            self.held_bytes += nbytes
+                self._drop_free(other)
+            self.held_bytes += cost
+            self.asked_bytes += nbytes
             self.allocations += 1
         try:
             return torch.empty(numel, dtype=dtype, pin_memory=self.pin), []
         except BaseException:  # pinning failed: the pool does not hold what it counted
             with self._lock:
-                self.held_bytes -= nbytes
+                self.held_bytes -= cost
+                self.asked_bytes -= nbytes
                 self.allocations -= 1
             raise
 
@@ -1633,28 +1655,20 @@ class PinnedPool:
     def clear(self) -> None:
         """Drop the free buffers (call ``empty_pinned_cache`` after, to unpin them)."""
         with self._lock:
-            for (numel, dtype), free in self._free.items():
-                self.held_bytes -= numel * dtype.itemsize * len(free)
+            for key in list(self._free):
+                while self._free[key]:
+                    self._drop_free(key)
             self._free.clear()
-
-
-def _is_dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` covers a block of exactly ``numel()`` elements, each once: its strides
-    are a contiguous tensor's, in some order of its dimensions (a transpose, channels-last)."""
-    if tensor.numel() == 0:
-        return True
-    expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda d: d[1]):
-        if size != 1:  # a dimension of one element moves nowhere, whatever its stride
-            if stride != expected:
-                return False  # a gap (a strided slice) or an overlap (an expanded tensor)
-            expected *= size
-    return True
 
 
 def _memory_of(tensor: torch.Tensor) -> tuple:
     """Where ``tensor``'s memory lives: the same for every tensor that shares it."""
     return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """Every byte of ``storage``, as a flat uint8 tensor that shares its memory."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
 def _version_counter_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -1687,21 +1701,49 @@ class _Kept:
 
 
 class _Offloaded:
-    """What the pack hook saves in place of an activation: where its copy lives on the host, and
-    what the unpack hook needs to bring it back."""
+    """One offloaded memory block (a tensor's whole storage), shared by every tensor saved as a
+    view of it in one step: where its copy lives on the host, and how it comes back."""
 
-    def __init__(self, index: int, step: int, tensor: torch.Tensor, host: torch.Tensor):
-        self.index, self.step = index, step
-        self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
-        self.stride = tensor.stride()  # what comes back is laid out as what was saved
-        self.version, self.counter = tensor._version, _version_counter_of(tensor)
-        self.host = host  # the pinned copy; valid once ``copied`` has completed
+    def __init__(self, index: int, step: int, storage: torch.UntypedStorage,
+                 device: torch.device, host: torch.Tensor):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.index, self.step, self.device = index, step, device
+        self.nbytes = storage.nbytes()
+        self.memory = StorageWeakRef(storage)  # expired once the storage is freed
+        self.host = host  # the pinned copy (uint8); valid once ``copied`` has completed
         self.copied = None  # event after the copy to the host, on the D2H stream
         self.fences: list = []  # events after which the host buffer may be written again
-        self.gpu = None  # the activation itself, while the hooks still hold it
+        self.gpu = None  # the storage's bytes, while the hooks still hold them
         self.stream = None  # the stream that produced it (the forward's)
-        self.back = None  # the activation brought back to the GPU
+        self.back = None  # the bytes brought back to the GPU
         self.arrived = None  # event after the copy back, on the H2D stream
+        self.guard = None  # makes the asking stream wait for the copy back, if it never did
+
+
+class _Saved:
+    """What the pack hook saves for an offloaded tensor: its block, and the view of it."""
+
+    def __init__(self, slot: _Offloaded, tensor: torch.Tensor):
+        self.slot = slot
+        self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
+        self.stride, self.offset = tensor.stride(), tensor.storage_offset()
+        self.version, self.counter = tensor._version, _version_counter_of(tensor)
+
+    def view_of(self, memory: torch.Tensor) -> torch.Tensor:
+        """This tensor, laid out as it was saved, over ``memory`` (its block's bytes)."""
+        return torch.empty(0, dtype=self.dtype, device=memory.device).set_(
+            memory.untyped_storage(), self.offset, self.shape, self.stride)
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The tensor's pinned copy, as saved: valid once ``copied`` has completed."""
+        return self.view_of(self.slot.host)
+
+    @property
+    def copied(self):
+        """The event after the copy to the host."""
+        return self.slot.copied
 
 
 class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
@@ -1709,70 +1751,91 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     and back on side streams (notebook 11). A context manager around the forward (the backward
     may run inside the block or after it); one instance serves every step::
 
-        hooks = helpers.OffloadHooks()
+        hooks = helpers.OffloadHooks(module=model)
         with hooks.keep(x):  # or ``with hooks:``; x, named, stays where it is
             loss = model(x).square().mean()
         loss.backward()
 
-    Forward: a saved tensor on ``device`` of at least ``min_bytes`` is copied on the ``d2h``
-    stream into a buffer from ``pool`` (a ``PinnedPool`` of ``max_pinned_bytes``), after that
-    stream has waited for the forward's stream (the op that wrote the tensor runs first) and for
-    the buffer's fences. The hooks hold each offloaded activation until its copy is done, at
-    most ``in_flight`` of them: past that, the forward's stream waits on the oldest copy's event
-    and the hooks let go of it, so that its memory is reused only after the copy has read it.
+    What travels is memory, not tensors: a saved tensor's whole storage (at least
+    ``min_bytes``) is copied once a step, however many of its views are saved (``a`` and
+    ``a.t()``; q, k and v sliced from one fused projection), and each view comes back as it was
+    saved (its shape, strides and offset) over the storage brought back. A view keeps its whole
+    storage alive without hooks too, so the storage is what offloading frees.
 
-    Kept as they are (``keeps``): parameters (``torch.nn.Parameter``, trained or frozen) and
-    views of them, which stay on the GPU anyway; the tensors the caller names with ``keep``
-    until the block ends, which it holds anyway, such as the input batch; and tensors that do
-    not cover their memory densely, a strided slice or an expanded tensor: such a view shares
-    its memory with a base, which it keeps whole as it does without hooks, and a dense copy of
-    an expanded tensor can be far larger than the memory it shares. A parameter cast to another
-    dtype (autocast) is a new tensor, offloaded like an activation; and a leaf that needs no
-    gradient is not taken for the input, since a frozen layer's output is one too. An offloaded
-    tensor comes back with the strides it was saved with (a transpose stays a transpose).
+    Kept as they are (``keeps``): tensors on another kind of device; parameters
+    (``torch.nn.Parameter``, trained or frozen) and views of them, and the parameters and
+    registered buffers of ``module``, which stay on the GPU anyway; and the tensors the caller
+    names with ``keep`` until the block ends, which it holds anyway, such as the input batch.
+    A parameter cast to another dtype (autocast) is a new tensor, offloaded like an activation;
+    a leaf that needs no gradient is not taken for the input, since a frozen layer's output is
+    one too. A tensor on another GPU of the same kind travels on that GPU's own side streams.
+
+    Forward: the storage is copied on the D2H stream into a buffer from ``pool`` (a
+    ``PinnedPool`` of ``max_pinned_bytes``), after that stream has waited for the forward's
+    stream (the op that wrote the tensor runs first) and for the buffer's fences. The hooks hold
+    each offloaded storage until its copy is done, at most ``in_flight`` of them: past that, the
+    forward's stream waits on the oldest copy's event and the hooks let go of it, so that its
+    memory is reused only after the copy has read it.
 
     In-place writes: autograd does not check that a tensor saved through saved_tensors_hooks
     was left unchanged, so ``unpack`` does, and raises autograd's error for one written in place
-    after it was saved. With the hooks it would otherwise go unseen, and the copy queued to the
-    host makes it worse: it may read the tensor after the write has changed it, so that even
-    the host copy holds the new values, or a mix of old and new.
+    after it was saved (the copy queued to the host may have read the new values, or a mix).
 
-    Backward: when autograd asks for an activation, it and the ``prefetch`` offloaded before it
-    (the next ones backward will ask for) are copied back on the ``h2d`` stream, into memory
-    allocated on the asking stream, which the ``h2d`` stream waits for first (work queued there
-    may still use that memory); the asking stream waits on the event after the copy. That
-    memory is marked as used by the ``h2d`` stream (``record_stream``): one brought back ahead
-    for an activation that backward then never asks for is freed with no such wait, and is
-    handed out again only once its copy is done. An activation the hooks still hold comes back
-    as it is, marked with ``record_stream`` for its pending copy. A host buffer returns to the
-    pool when autograd lets go of what the pack hook gave it, with the events of the copies that
-    used it as its fences.
+    Backward: when autograd asks for a tensor, its storage and the ``prefetch`` offloaded before
+    it (the next ones backward will ask for) are copied back on the H2D stream, into memory
+    allocated on the asking stream, which the H2D stream waits for first (work queued there may
+    still use that memory); the asking stream waits on the event after the copy, then frees the
+    memory as its own. Where a storage brought back is never asked for (``autograd.grad`` on a
+    middle tensor, an error mid-backward), a finalizer makes the asking stream wait for its copy
+    before the memory goes back to that stream's pool. A storage the hooks still hold comes back
+    as it is, and the hooks keep a reference to it until its pending copy out is done. Neither
+    uses ``record_stream``: a block marked so waits for all the work queued on the side stream
+    when it is freed, and while the host runs ahead of the GPU that holds back many blocks (the
+    reserved memory grows far past the allocated; notebook 11 measures both). A host buffer
+    returns to the pool when autograd lets go of what the pack hook gave it, with the events of
+    the copies that used it as its fences.
 
     ``retain_graph=True`` keeps what comes back on the GPU until the graph goes.
     """
 
     def __init__(self, device: torch.device | str = "cuda", *, max_pinned_bytes: int = 2**32,
                  in_flight: int = 3, prefetch: int = 3, min_bytes: int = 2**20,
-                 pool: PinnedPool | None = None):
+                 pool: PinnedPool | None = None, module: torch.nn.Module | None = None):
         import weakref
 
         self.device = torch.device(device)
         self.in_flight, self.prefetch, self.min_bytes = in_flight, prefetch, min_bytes
         self.pool = pool if pool is not None else PinnedPool(max_pinned_bytes)
-        self.d2h, self.h2d = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        self.module = module
+        self._streams: dict = {}  # device: its (D2H, H2D) side streams
+        self.d2h, self.h2d = self.side_streams(self.device)
         self.step = 0  # forwards begun; prefetching stays within one forward's activations
         self.offloaded_bytes = 0  # in this step
         self._held: collections.deque = collections.deque()  # offloaded, still held on the GPU
+        self._until_copied: collections.deque = collections.deque()  # (event, memory) to free
         self._by_index: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._by_memory: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._next_index = 0
         self._named: dict[tuple, torch.Tensor] = {}  # by memory: what keep named, this step
+        self._module_memory: set = set()
         super().__init__(self.pack, self.unpack)
+
+    def side_streams(self, device: torch.device) -> tuple:
+        """The D2H and H2D side streams of ``device``, made on first use."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device not in self._streams:
+            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._streams[device]
 
     def __enter__(self):
         while self._held:  # left from a forward whose backward never asked for them
             self._let_go(self._held.popleft())
+        self._free_copied()
         self.step += 1
         self.offloaded_bytes = 0
+        state = [] if self.module is None else [*self.module.parameters(), *self.module.buffers()]
+        self._module_memory = {_memory_of(t) for t in state}  # buffers may be replaced
         super().__enter__()
         return self
 
@@ -1789,40 +1852,54 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         return self
 
     def keeps(self, tensor: torch.Tensor) -> bool:
-        """Whether ``pack`` leaves ``tensor`` where it is rather than offload it."""
+        """Whether ``pack`` leaves ``tensor`` where it is rather than offload its storage."""
         base = tensor if tensor._base is None else tensor._base
-        return (tensor.device.type != self.device.type or tensor.layout != torch.strided
-                or tensor.numel() * tensor.element_size() < self.min_bytes
-                or isinstance(base, torch.nn.Parameter) or not _is_dense(tensor)
-                or (bool(self._named) and _memory_of(tensor) in self._named))
+        if (tensor.device.type != self.device.type or tensor.layout != torch.strided
+                or isinstance(base, torch.nn.Parameter)):
+            return True
+        memory = _memory_of(tensor)
+        return (tensor.untyped_storage().nbytes() < self.min_bytes
+                or memory in self._module_memory or memory in self._named)
 
     def pack(self, tensor: torch.Tensor):
         if self.keeps(tensor):
             return _Kept(tensor)
+        self._free_copied()
+        slot = self._by_memory.get(_memory_of(tensor))
+        if (slot is None or slot.step != self.step or slot.memory.expired()
+                or slot.nbytes != tensor.untyped_storage().nbytes()
+                or slot.counter._version != slot.version or tensor._version != slot.version):
+            slot = self._offload(tensor)  # not offloaded this step, or written since
+        return _Saved(slot, tensor)
+
+    def _offload(self, tensor: torch.Tensor) -> _Offloaded:
+        """Queue the copy of ``tensor``'s storage to a pinned buffer; the block it fills."""
         import weakref
 
-        stream = torch.cuda.current_stream(tensor.device)
-        buffer, fences = self.pool.take(tensor.numel(), tensor.dtype)
-        host = buffer.as_strided(tensor.shape, tensor.stride())  # dense: the copy is one block
-        slot = _Offloaded(self._next_index, self.step, tensor, host)
+        storage, device = tensor.untyped_storage(), tensor.device
+        stream, (d2h, _) = torch.cuda.current_stream(device), self.side_streams(device)
+        buffer, fences = self.pool.take(storage.nbytes(), torch.uint8)
+        slot = _Offloaded(self._next_index, self.step, storage, device, buffer)
+        slot.version, slot.counter = tensor._version, _version_counter_of(tensor)
         # The buffer goes back to the pool when the slot goes, even if what follows raises; the
         # old fences stay with it until the new copy's event replaces them.
         slot.fences.extend(fences)
         weakref.finalize(slot, self.pool.give, buffer, slot.fences)
         self._next_index += 1
-        self.d2h.wait_stream(stream)  # the op that wrote the tensor runs before the copy reads it
+        d2h.wait_stream(stream)  # the op that wrote the tensor runs before the copy reads it
         for fence in fences:  # and the copies that last used the buffer end before it is written
-            self.d2h.wait_event(fence)
-        with torch.cuda.stream(self.d2h):
-            slot.host.copy_(tensor, non_blocking=True)
-        slot.copied = self.d2h.record_event()
+            d2h.wait_event(fence)
+        whole = _bytes_of(storage, device)
+        with torch.cuda.stream(d2h):
+            buffer.copy_(whole, non_blocking=True)
+        slot.copied = d2h.record_event()
         slot.fences[:] = [slot.copied]  # it is queued after the old fences on the d2h stream
-        slot.gpu, slot.stream = tensor.detach(), stream
+        slot.gpu, slot.stream = whole, stream
         self._held.append(slot)
         if len(self._held) > self.in_flight:
             self._let_go(self._held.popleft())
-        self._by_index[slot.index] = slot
-        self.offloaded_bytes += tensor.numel() * tensor.element_size()
+        self._by_index[slot.index] = self._by_memory[_memory_of(tensor)] = slot
+        self.offloaded_bytes += slot.nbytes
         return slot
 
     def _let_go(self, slot: _Offloaded) -> None:
@@ -1831,31 +1908,36 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         slot.stream.wait_event(slot.copied)
         slot.gpu = None
 
+    def _free_copied(self) -> None:
+        """Drop the memory held for copies out that have now completed."""
+        while self._until_copied and self._until_copied[0][0].query():
+            self._until_copied.popleft()
+
     def _fetch(self, slot: _Offloaded, stream) -> None:
-        slot.back = torch.empty_strided(slot.shape, slot.stride, dtype=slot.dtype,
-                                        device=slot.device)  # on stream
-        # Only unpack makes the asking stream wait for the copy: a slot prefetched but never
-        # asked for (autograd.grad on a middle tensor, an error mid-backward) is freed with its
-        # copy still writing it. Marked as used by the H2D stream, its memory is handed out
-        # again only once the work queued there by then, that copy included, is done.
-        slot.back.record_stream(self.h2d)
-        self.h2d.wait_stream(stream)  # that memory may have been freed by work queued on stream
-        self.h2d.wait_event(slot.copied)  # the host copy has landed
-        with torch.cuda.stream(self.h2d):
+        import weakref
+
+        _, h2d = self.side_streams(slot.device)
+        slot.back = torch.empty(slot.nbytes, dtype=torch.uint8, device=slot.device)  # on stream
+        h2d.wait_stream(stream)  # that memory may have been freed by work queued on stream
+        h2d.wait_event(slot.copied)  # the host copy has landed
+        with torch.cuda.stream(h2d):
             slot.back.copy_(slot.host, non_blocking=True)
-        slot.arrived = self.h2d.record_event()
+        slot.arrived = h2d.record_event()
         slot.fences.append(slot.arrived)
+        # Freed unasked, the memory waits for the copy on the stream whose pool it returns to
+        slot.guard = weakref.finalize(slot, stream.wait_event, slot.arrived)
 
     def unpack(self, packed):
         _check_not_written(packed)
         if isinstance(packed, _Kept):
             return packed.tensor
-        slot = packed
+        slot = packed.slot
         stream = torch.cuda.current_stream(slot.device)  # the stream backward runs this node on
-        if slot.gpu is not None:  # never left the GPU
+        self._free_copied()
+        if slot.gpu is not None:  # never left the GPU; its copy out may still be reading it
             self._held.remove(slot)
             slot.back, slot.gpu = slot.gpu, None
-            slot.back.record_stream(self.d2h)  # its memory waits for the pending copy to read it
+            self._until_copied.append((slot.copied, slot.back))
         elif slot.back is None:
             self._fetch(slot, stream)
         for index in range(slot.index - 1, slot.index - 1 - self.prefetch, -1):
@@ -1865,7 +1947,8 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
                 self._fetch(earlier, stream)
         if slot.arrived is not None:
             stream.wait_event(slot.arrived)  # the node reads it only once the copy has landed
-        return slot.back
+            slot.guard.detach()  # the asking stream orders its own reuse of that memory now
+        return packed.view_of(slot.back)
 
 
 # --------------------------------------------------------------------------------------------
@@ -3755,26 +3838,52 @@ def torch_file_layout(path: str | os.PathLike, file: int = 0, *,
     return _torch_layout(path, loaded, storages, lambda t: t.untyped_storage().data_ptr())
 
 
-#: safetensors' names of the dtypes it stores (little-endian), and the torch dtypes they are
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64,
-    "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
-    "C64": torch.complex64}
+#: Every dtype name the safetensors format knows (0.8), with the name of the torch dtype it is
+#: (None: torch has none, such as the 6-bit floats). Little-endian, as all of safetensors.
+_SAFETENSORS_TORCH_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F4": "float4_e2m1fn_x2", "F6_E2M3": None, "F6_E3M2": None, "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32",
+    "U16": "uint16", "U8": "uint8", "BOOL": "bool", "C64": "complex64"}
+#: safetensors' names of the dtypes it stores, and the torch dtypes they are, those this torch
+#: has (looked up by name, so that an older torch, without the newest, still imports this)
+SAFETENSORS_DTYPES = {code: getattr(torch, name) for code, name in
+                      _SAFETENSORS_TORCH_NAMES.items() if getattr(torch, name or "", None)}
+#: Dtypes that torch packs several to an element: F4 two 4-bit values a byte. safetensors'
+#: shape counts the 4-bit values; torch's last dimension counts bytes, half as many.
+SAFETENSORS_PACKED = {"F4": 2}
+#: The most header bytes safetensors reads; a longer header it refuses, unread
+SAFETENSORS_MAX_HEADER = 100_000_000
+
+
+def _safetensors_header_length(path, f, size: int) -> int:
+    """The header length a safetensors file opens with (8 bytes, little-endian), refused where
+    the file cannot hold it: fewer than 8 bytes, a header longer than safetensors reads (a
+    wrong length is caught before 100 MB are read), or longer than the rest of the file."""
+    if size < 8:
+        raise ValueError(f"{path} is truncated: {size} bytes, fewer than the 8 of a safetensors "
+                         "file's header length")
+    length = int.from_bytes(f.read(8), "little")
+    if length > SAFETENSORS_MAX_HEADER:
+        raise ValueError(f"{path}: its safetensors header is too large: it announces {length} "
+                         f"bytes, safetensors reads at most {SAFETENSORS_MAX_HEADER}")
+    if 8 + length > size:
+        raise ValueError(f"{path} is truncated: {size} bytes, too few for the safetensors "
+                         f"header it announces ({length} bytes after the first 8)")
+    return length
 
 
 def safetensors_header(path: str | os.PathLike) -> tuple[int, dict]:
     """A .safetensors file's header, and the offset where its data begin (notebook 12). The
     file opens with the header's length (8 bytes, little-endian), then the header, JSON:
     {name: {"dtype", "shape", "data_offsets": [begin, end]}, optional "__metadata__"}, each
-    tensor's offsets counted from the data's start. Reads the header alone, none of the data."""
+    tensor's offsets counted from the data's start. Reads the header alone, none of the data;
+    refuses, in one line, a header that cannot be read (``_safetensors_header_length``), that
+    is not a JSON object, or whose "__metadata__" is not {text: text}."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        length = int.from_bytes(f.read(8), "little") if size >= 8 else 0
-        if size < 8 or 8 + length > size:
-            raise ValueError(f"{path} is truncated: {size} bytes, too few for the safetensors "
-                             f"header it announces ({length} bytes after the first 8)")
+        length = _safetensors_header_length(path, f, os.fstat(f.fileno()).st_size)
         text = f.read(length)
     try:
         header = json.loads(text)
@@ -3782,24 +3891,112 @@ def safetensors_header(path: str | os.PathLike) -> tuple[int, dict]:
         raise ValueError(f"{path}: its safetensors header is not JSON ({error})") from error
     if not isinstance(header, dict):
         raise ValueError(f"{path}: its safetensors header is not a JSON object")
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(value, str) for value in metadata.values())):
+        raise ValueError(f"{path}: its safetensors __metadata__ is not a {{text: text}} object")
     return 8 + length, header
 
 
+def _safetensors_dtype(path, name: str, code) -> torch.dtype:
+    """The torch dtype of a tensor's safetensors dtype name. Two refusals, each one line with
+    the file and the tensor: a name the safetensors format does not have, and one it has that
+    this torch has no dtype for (the 6-bit floats, which no torch has; the newest 8- and 4-bit
+    ones on an older torch), since no tensor could be built of its bytes."""
+    if isinstance(code, str) and code in SAFETENSORS_DTYPES:
+        return SAFETENSORS_DTYPES[code]
+    if isinstance(code, str) and code in _SAFETENSORS_TORCH_NAMES:
+        raise ValueError(f"{path}: tensor {name!r} is {code}: torch has no dtype for {code} "
+                         f"(torch {torch.__version__})")
+    raise ValueError(f"{path}: tensor {name!r} has dtype {code!r}, which safetensors does not "
+                     "know")
+
+
+def _torch_shape(path, name: str, code: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A tensor's shape as torch holds it: the header's, except for a packed dtype (F4), whose
+    last dimension torch counts in bytes, each holding ``SAFETENSORS_PACKED[code]`` values
+    (safetensors.torch gives shape [2] for an F4 [4]). A last dimension that does not divide
+    into bytes (or none: a scalar) is refused, as safetensors.torch refuses it."""
+    per = SAFETENSORS_PACKED.get(code, 1)
+    if per == 1:
+        return shape
+    if not shape or shape[-1] % per:
+        raise ValueError(f"{path}: tensor {name!r} is {code} of shape {list(shape)}: torch packs "
+                         f"{per} values a byte along the last dimension, which must be a "
+                         f"multiple of {per}")
+    return (*shape[:-1], shape[-1] // per)
+
+
+def _is_count(n) -> bool:
+    """Whether a JSON value is a count safetensors takes: a whole number, 0 or more."""
+    return type(n) is int and n >= 0  # not a bool, not a float such as 16.0
+
+
 def _safetensors_entry(path, name: str, entry) -> tuple[torch.dtype, tuple[int, ...], int, int]:
-    """One tensor of a safetensors header, checked: its dtype, shape, and its bytes' begin and
-    end counted from the data's start."""
-    try:
-        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-        shape = tuple(int(n) for n in entry["shape"])
-        begin, end = (int(n) for n in entry["data_offsets"])
-    except (KeyError, TypeError, ValueError) as error:
+    """One tensor of a safetensors header, checked: its dtype (``_safetensors_dtype``), its
+    shape as torch holds it (``_torch_shape``), and its bytes' begin and end counted from the
+    data's start. The shape and offsets must be counts (a negative or fractional one is none),
+    the end no less than the begin, and the bytes between exactly those that the shape and
+    dtype need: safetensors refuses anything else, and a loader that took it would build a
+    tensor of the wrong size, or of bytes that are not its own."""
+    fields = entry if isinstance(entry, dict) else {}
+    shape, offsets = fields.get("shape"), fields.get("data_offsets")
+    if not (isinstance(shape, list) and all(map(_is_count, shape)) and isinstance(offsets, list)
+            and len(offsets) == 2 and all(map(_is_count, offsets))):
         raise ValueError(f"{path}: tensor {name!r} has a dtype, shape or data_offsets this "
-                         f"parser does not know: {entry!r}") from error
+                         f"parser does not know: {entry!r}")
+    dtype = _safetensors_dtype(path, name, fields.get("dtype"))
+    shape = _torch_shape(path, name, fields["dtype"], tuple(shape))
+    begin, end = offsets
+    if end < begin:
+        raise ValueError(f"{path}: tensor {name!r} has data_offsets [{begin}, {end}]: it ends "
+                         "before it begins")
     expected = math.prod(shape) * dtype.itemsize
-    if begin < 0 or end - begin != expected:
+    if end - begin != expected:
         raise ValueError(f"{path}: tensor {name!r} spans bytes {begin} to {end}; its dtype and "
                          f"shape need {expected}")
     return dtype, shape, begin, end
+
+
+def _offset_error(path, name: str, begin: int, expected: int) -> str:
+    """The line that says why a tensor that begins at ``begin`` cannot follow the tensors
+    before it, which end at ``expected`` (0: it is the first with bytes)."""
+    if begin < expected:
+        return (f"{path}: tensor {name!r} begins at data byte {begin}, inside the tensor before "
+                f"it (which ends at {expected}): their data_offsets overlap")
+    if expected == 0:
+        return (f"{path}: tensor {name!r} begins at data byte {begin}, but the tensors' data "
+                "must begin at 0")
+    return (f"{path}: tensor {name!r} begins at data byte {begin}, leaving a gap of "
+            f"{begin - expected} bytes after the tensor before it (which ends at {expected})")
+
+
+def _safetensors_tensors(path, header: dict, data_start: int, size: int) -> list[tuple]:
+    """The tensors of a safetensors header, each checked (``_safetensors_entry``): (name,
+    dtype, shape, begin, end), in file order (by begin, then end, as safetensors sorts them).
+    Checked together, against the file of ``size`` bytes: each tensor's bytes must begin
+    where the previous one's end (the first's at 0), so that no byte is two tensors' and none
+    is no tensor's, and the last must end where the file does. Safetensors refuses any other
+    file; a shorter one is truncated (the first tensor whose bytes are not all there is
+    named), a longer one holds bytes after its tensors that belong to none."""
+    tensors = sorted(((name, *_safetensors_entry(path, name, entry))
+                      for name, entry in header.items() if name != "__metadata__"),
+                     key=lambda tensor: tensor[3:])
+    end = 0
+    for name, *_, begin, stop in tensors:
+        if begin != end:
+            raise ValueError(_offset_error(path, name, begin, end))
+        end = stop
+    if data_start + end > size:
+        name, *_, stop = next(t for t in tensors if data_start + t[4] > size)
+        raise ValueError(f"{path} is truncated: tensor {name!r} ends at byte "
+                         f"{data_start + stop}, the file holds {size}")
+    if data_start + end < size:
+        last = f" (the last, {tensors[-1][0]!r}, ends at byte {data_start + end})" if tensors \
+            else ""
+        raise ValueError(f"{path}: {size - data_start - end} bytes after its tensors' data"
+                         f"{last}: safetensors refuses a file its tensors do not cover")
+    return tensors
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -3830,18 +4027,13 @@ def safetensors_layout(path: str | os.PathLike, file: int = 0, *,
     """A .safetensors file's layout from its header alone (notebook 12): each tensor its own
     storage, in file order, the result a {name: tensor} dict in that order. With ``mapped``,
     each storage is also mapped from the file (for the loader that copies from the mapping).
-    Raises ValueError where the file is shorter than its header says."""
+    Refuses, with a one-line ValueError, the files that safetensors refuses
+    (``safetensors_header``, ``_safetensors_tensors``) and those torch has no dtype for."""
     data_start, header = safetensors_header(path)
-    size = os.path.getsize(path)
-    tensors = sorted(((name, *_safetensors_entry(path, name, entry))
-                      for name, entry in header.items() if name != "__metadata__"),
-                     key=lambda tensor: tensor[3:])  # in file order: by begin, then end
+    tensors = _safetensors_tensors(path, header, data_start, os.path.getsize(path))
     whole = _map_file(path) if mapped else None
     stored, structure = [], {}
     for name, dtype, shape, begin, end in tensors:
-        if data_start + end > size:
-            raise ValueError(f"{path} is truncated: tensor {name!r} ends at byte "
-                             f"{data_start + end}, the file holds {size}")
         offset = data_start + begin
         view = None if whole is None else whole[offset:data_start + end]
         structure[name] = _Placed(len(stored), dtype, shape, _contiguous_stride(shape))
@@ -3849,28 +4041,50 @@ def safetensors_layout(path: str | os.PathLike, file: int = 0, *,
     return CheckpointLayout((os.fspath(path),), stored, structure)
 
 
-def checkpoint_files(source) -> list[str]:
-    """The files of a checkpoint (notebook 12): ``source`` itself; for a sharded checkpoint's
-    ``*.index.json``, the shards its "weight_map" ({tensor name: file name}, the files next to
-    it) names, in the order first named; for a list, its paths. FileNotFoundError names any
-    that is missing, before anything is read."""
+def _weight_map(index: str | os.PathLike) -> dict[str, str]:
+    """The "weight_map" of a sharded checkpoint's index: {tensor name: the file name of the
+    shard that holds it, next to the index}. Refused in one line: an index that is not JSON,
+    or has no weight_map of names to file names."""
+    try:
+        loaded = json.loads(Path(index).read_text())
+    except ValueError as error:  # not UTF-8, or not JSON
+        raise ValueError(f"{index} is not JSON, not a sharded checkpoint's index ({error})") \
+            from error
+    weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no weight_map: not a sharded checkpoint's index")
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise ValueError(f"{index}: its weight_map gives tensor {name!r} the shard "
+                             f"{file!r}, not a file name")
+    return weight_map
+
+
+def _checkpoint_sources(source) -> tuple[list[str], dict[str, str] | None]:
+    """``checkpoint_files(source)``, and the index's weight_map where ``source`` is one."""
     named = isinstance(source, (str, os.PathLike))
+    weight_map = None
     if not named:
         files = [os.fspath(p) for p in source]
     elif os.fspath(source).endswith(".json"):
-        index = json.loads(Path(source).read_text())
-        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-            raise ValueError(f"{source} has no weight_map: not a sharded checkpoint's index")
+        weight_map = _weight_map(source)
         directory = os.path.dirname(os.fspath(source))
-        files = [os.path.join(directory, name) for name in dict.fromkeys(
-            index["weight_map"].values())]
+        files = [os.path.join(directory, name) for name in dict.fromkeys(weight_map.values())]
     else:
         files = [os.fspath(source)]
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
         where = os.fspath(source) if named else "the list of files"
         raise FileNotFoundError(f"{where} names files that are not there: {missing}")
-    return files
+    return files, weight_map
+
+
+def checkpoint_files(source) -> list[str]:
+    """The files of a checkpoint (notebook 12): ``source`` itself; for a sharded checkpoint's
+    ``*.index.json``, the shards its "weight_map" ({tensor name: file name}, the files next to
+    it) names, in the order first named; for a list, its paths. FileNotFoundError names any
+    that is missing, before anything is read."""
+    return _checkpoint_sources(source)[0]
 
 
 def _is_safetensors(path: str) -> bool:
@@ -3901,17 +4115,65 @@ def _merged(layouts: list[CheckpointLayout]) -> CheckpointLayout:
                             structure)
 
 
+def _shard_of_each_tensor(layouts: list[CheckpointLayout]) -> dict[str, str]:
+    """{tensor name: the file of the shard that holds it}, for shards that are each a {name:
+    tensor} dict (safetensors files, or ``torch.save`` state dicts)."""
+    held: dict[str, str] = {}
+    for layout in layouts:
+        if not isinstance(layout.structure, dict):
+            raise ValueError(f"{layout.files[0]} is no {{name: tensor}} dict: not a shard")
+        for name in layout.structure:
+            held.setdefault(name, layout.files[0])
+    return held
+
+
+def _check_index_against_shards(index, weight_map: dict[str, str],
+                                layouts: list[CheckpointLayout]) -> None:
+    """Check a sharded checkpoint's index against the tensors its shards hold (their headers,
+    or their pickles, read), refusing in one line that names the index, the tensor and the
+    shards:
+
+    - a tensor the index names that no shard holds: the load would lack it, without a word;
+    - a tensor the index puts in one shard that another holds: whoever opens the one shard the
+      index names, to read that tensor alone, would not find it;
+    - a tensor a shard holds that the index does not name. transformers takes one (it reads
+      whole shards and uses the index for the files and for its report of missing keys), but
+      this loader refuses it: it returns every tensor of the shards, and would return one that
+      the checkpoint's table of contents says is not there, a sign that a shard and the index
+      come from different saves. Pass the list of shard files to load them without an index.
+    """
+    directory = os.path.dirname(os.fspath(index))
+    as_named = {os.path.join(directory, file): file for file in weight_map.values()}
+    held = _shard_of_each_tensor(layouts)
+    for name, file in weight_map.items():
+        if name not in held:
+            raise ValueError(f"{index} names tensor {name!r} in shard {file}, but no shard holds"
+                             f" it (the shards: {', '.join(as_named.values())})")
+        if held[name] != os.path.join(directory, file):
+            raise ValueError(f"{index} names tensor {name!r} in shard {file}, but shard "
+                             f"{as_named[held[name]]} holds it")
+    for name, path in held.items():
+        if name not in weight_map:
+            raise ValueError(f"{index} does not name tensor {name!r}, which shard "
+                             f"{as_named[path]} holds: an index must name every tensor")
+
+
 def checkpoint_layout(source, *, mapped: bool = False) -> CheckpointLayout:
     """The index of a checkpoint, the cheapest way its format allows (notebook 12): for a
     .safetensors file, its header; for a ``torch.save`` file, ``torch.load(map_location=
     "meta")`` (``torch_file_layout``). ``source``: one file, a sharded checkpoint's
     ``*.index.json``, or a list of shard paths (their tensors in one dict). With ``mapped``,
-    every storage is mapped from its file too, for a loader that copies from the mapping."""
+    every storage is mapped from its file too, for a loader that copies from the mapping.
+    An index is checked against what its shards hold (``_check_index_against_shards``)."""
+    files, weight_map = _checkpoint_sources(source)
     layouts = []
-    for number, path in enumerate(checkpoint_files(source)):
+    for number, path in enumerate(files):
         of_file = safetensors_layout if _is_safetensors(path) else torch_file_layout
         layouts.append(of_file(path, number, mapped=mapped))
-    return layouts[0] if len(layouts) == 1 else _merged(layouts)
+    layout = layouts[0] if len(layouts) == 1 else _merged(layouts)
+    if weight_map is not None:
+        _check_index_against_shards(source, weight_map, layouts)
+    return layout
 
 
 class _Chunk(typing.NamedTuple):
