@@ -1788,10 +1788,11 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     memory as its own. Where a storage brought back is never asked for (``autograd.grad`` on a
     middle tensor, an error mid-backward), a finalizer makes the asking stream wait for its copy
     before the memory goes back to that stream's pool. A storage the hooks still hold comes back
-    as it is, and the hooks keep a reference to it until its pending copy out is done. Neither
-    uses ``record_stream``: a block marked so waits for all the work queued on the side stream
-    when it is freed, and while the host runs ahead of the GPU that holds back many blocks (the
-    reserved memory grows far past the allocated; notebook 11 measures both). A host buffer
+    as it is; when it goes, a finalizer makes the forward's stream wait for its pending copy
+    out first. Neither holds memory on the host's side or uses ``record_stream``: a block marked
+    so waits, once freed, for all the work queued on the side stream by then, and while the host
+    runs ahead of the GPU that holds back many blocks (the reserved memory grows far past the
+    allocated; notebook 11 measures both). A host buffer
     returns to the pool when autograd lets go of what the pack hook gave it, with the events of
     the copies that used it as its fences.
 
@@ -1812,7 +1813,6 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self.step = 0  # forwards begun; prefetching stays within one forward's activations
         self.offloaded_bytes = 0  # in this step
         self._held: collections.deque = collections.deque()  # offloaded, still held on the GPU
-        self._until_copied: collections.deque = collections.deque()  # (event, memory) to free
         self._by_index: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._by_memory: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._next_index = 0
@@ -1831,7 +1831,6 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     def __enter__(self):
         while self._held:  # left from a forward whose backward never asked for them
             self._let_go(self._held.popleft())
-        self._free_copied()
         self.step += 1
         self.offloaded_bytes = 0
         state = [] if self.module is None else [*self.module.parameters(), *self.module.buffers()]
@@ -1864,7 +1863,6 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     def pack(self, tensor: torch.Tensor):
         if self.keeps(tensor):
             return _Kept(tensor)
-        self._free_copied()
         slot = self._by_memory.get(_memory_of(tensor))
         if (slot is None or slot.step != self.step or slot.memory.expired()
                 or slot.nbytes != tensor.untyped_storage().nbytes()
@@ -1908,14 +1906,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         slot.stream.wait_event(slot.copied)
         slot.gpu = None
 
-    def _free_copied(self) -> None:
-        """Drop the memory held for copies out that have now completed."""
-        while self._until_copied and self._until_copied[0][0].query():
-            self._until_copied.popleft()
-
     def _fetch(self, slot: _Offloaded, stream) -> None:
-        import weakref
-
         _, h2d = self.side_streams(slot.device)
         slot.back = torch.empty(slot.nbytes, dtype=torch.uint8, device=slot.device)  # on stream
         h2d.wait_stream(stream)  # that memory may have been freed by work queued on stream
@@ -1924,8 +1915,16 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             slot.back.copy_(slot.host, non_blocking=True)
         slot.arrived = h2d.record_event()
         slot.fences.append(slot.arrived)
-        # Freed unasked, the memory waits for the copy on the stream whose pool it returns to
-        slot.guard = weakref.finalize(slot, stream.wait_event, slot.arrived)
+        self._guard_until(slot, stream, slot.arrived)  # in case backward never asks for it
+
+    @staticmethod
+    def _guard_until(slot: _Offloaded, stream, event) -> None:
+        """When ``slot`` goes, and with it (unless something else holds it) its memory, make
+        ``stream``, whose pool that memory returns to, wait for ``event`` first: a later use of
+        the memory from that pool is queued after the copy that ``event`` ends."""
+        import weakref
+
+        slot.guard = weakref.finalize(slot, stream.wait_event, event)
 
     def unpack(self, packed):
         _check_not_written(packed)
@@ -1933,11 +1932,10 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             return packed.tensor
         slot = packed.slot
         stream = torch.cuda.current_stream(slot.device)  # the stream backward runs this node on
-        self._free_copied()
         if slot.gpu is not None:  # never left the GPU; its copy out may still be reading it
             self._held.remove(slot)
             slot.back, slot.gpu = slot.gpu, None
-            self._until_copied.append((slot.copied, slot.back))
+            self._guard_until(slot, slot.stream, slot.copied)
         elif slot.back is None:
             self._fetch(slot, stream)
         for index in range(slot.index - 1, slot.index - 1 - self.prefetch, -1):
