@@ -883,6 +883,9 @@ def test_memlock_limit_is_readable():
 
 @needs_cuda
 def test_pinned_pool_rounds_up_and_caches_until_emptied():
+    # torch.cuda.host_memory_stats() reads {} until CUDA is initialised, which pinning alone does
+    # not do: run first in a process, this test read 0 bytes pinned (an H200 host, torch 2.11)
+    torch.cuda.init()
     helpers.empty_pinned_cache()
     before = helpers.pinned_pool()["held_bytes"]
     block = torch.empty(5 << 20, dtype=torch.uint8, pin_memory=True)
@@ -2057,6 +2060,7 @@ def test_checkup_names_the_cause_and_its_cost_on_a_real_step(case, monkeypatch):
 
 @needs_cuda
 def test_the_checkups_link_rate_is_measured_without_caching_pinned_memory():
+    torch.cuda.init()  # host_memory_stats() reads {} before (see the test above)
     helpers._pinned_link_gbps.cache_clear()
     helpers.empty_pinned_cache()
     held = helpers.pinned_pool()["held_bytes"]
