@@ -1796,7 +1796,9 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     returns to the pool when autograd lets go of what the pack hook gave it, with the events of
     the copies that used it as its fences.
 
-    ``retain_graph=True`` keeps what comes back on the GPU until the graph goes.
+    ``retain_graph=True`` keeps what comes back on the GPU until the graph goes. The hooks
+    cannot be captured in a CUDA graph (notebook 13): a replay would run none of their Python,
+    neither the bookkeeping of what is held nor the waits they queue.
     """
 
     def __init__(self, device: torch.device | str = "cuda", *, max_pinned_bytes: int = 2**32,
