@@ -35,6 +35,10 @@ def pytest_configure(config):
     if "COLLECTION_FIGURES_DIR" not in os.environ:
         _own_figures_dir = tempfile.mkdtemp(prefix="figures-")
         os.environ["COLLECTION_FIGURES_DIR"] = _own_figures_dir
+    # No reader types guesses here: an empty prediction cell passes (helpers.expect_guess); and
+    # a claim that fails stops its notebook, as in a committed run (helpers.claim)
+    os.environ.setdefault("COLLECTION_GUESSES", "skip")
+    os.environ.setdefault("COLLECTION_STRICT_CLAIMS", "1")
     global _claim_log_dir
     if os.environ.get("COLLECTION_CLAIM_LOG"):
         _claim_log_dir = tempfile.mkdtemp(prefix="claim-log-")

@@ -1408,14 +1408,47 @@ def format_value(value: float, unit: str) -> str:
     return f"{number}{unit}" if unit in ("x", "") else f"{number} {unit}"
 
 
-def answer(key: str, guess: float | None = None) -> None:
-    """One line for a result (notebook 00 first): the recorded value, and beside it the
-    reader's typed prediction (``my_guess``), or a reminder to type one."""
+#: Set (to "skip") where notebooks run with no reader to type a guess: nbval under pytest and
+#: ``nbtool.py run`` set it; a reader's Run all, without it, stops at the first empty guess.
+GUESSES = "COLLECTION_GUESSES"
+
+
+class GuessNeeded(Exception):
+    """A prediction cell left empty: Jupyter shows this one line, and Run all stops here."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"Predict first: {self}"]
+
+
+def expect_guess(guess: float | None, name: str) -> None:
+    """Stop here, in one line, until the reader has typed a guess into ``name`` (notebook 00
+    first): Run all then stops at each prediction instead of answering it. Where no reader
+    types (``COLLECTION_GUESSES=skip``), an empty guess passes."""
+    if guess is None and os.environ.get(GUESSES) != "skip":
+        raise GuessNeeded(f"type your guess into {name} above (replace None with a number), "
+                          "then run this cell again")
+
+
+def how_close(guess: float, value: float) -> str:
+    """How far a guess was from the result, in words and numbers: the ratio where both are
+    positive, else the difference."""
+    if guess > 0 and value > 0:
+        ratio = value / guess
+        off = max(ratio, 1 / ratio)
+        word = "close" if off <= 1.25 else "within a factor of two" if off <= 2 else \
+            f"off by {off:.1f}x"
+        return f"{word}: the result is {ratio:.2g}x your guess"
+    return f"{value - guess:+.3g} from your guess"
+
+
+def answer(key: str, guess: float | None = None, name: str = "my_guess") -> None:
+    """One line for a result (notebook 00 first): the recorded value, beside it the reader's
+    typed prediction (``name``) and how close it was."""
     measured = MEASUREMENTS[key]
-    unit = measured["unit"]
-    typed = (f"your guess: {format_value(guess, unit)}" if guess is not None
-             else "no guess typed: set my_guess above and run again")
-    print(f"Answer: {measured['label']}: {format_value(measured['value'], unit)} ({typed})")
+    unit, value = measured["unit"], measured["value"]
+    typed = (f"your guess {format_value(guess, unit)}, {how_close(guess, value)}"
+             if guess is not None else f"no guess typed in {name}")
+    print(f"Answer: {measured['label']}: {format_value(value, unit)} ({typed})")
 
 
 OPERATORS = {"<": float.__lt__, "<=": float.__le__, ">": float.__gt__, ">=": float.__ge__}
@@ -1429,21 +1462,39 @@ def evaluate_claim(claim: dict, measurements: dict[str, dict]) -> bool:
     return OPERATORS[claim["op"]](float(lhs), float(claim["factor"] * rhs))
 
 
-def claim(statement: str, lhs: str, op: str, rhs: str | float, *, factor: float = 1.0) -> None:
-    """Check ``lhs op factor * rhs`` on recorded measurements; stop the notebook if it fails.
+#: Set (to "1") where a claim that fails must stop the notebook: ``nbtool.py run``, whose
+#: outputs are committed. Elsewhere a failed claim is one line and the notebook goes on.
+STRICT_CLAIMS = "COLLECTION_STRICT_CLAIMS"
 
-    Claims are directions and ratios that should hold on any CUDA GPU. The line shown has no
-    numbers in it, so nbval can compare it across machines.
+
+def _this_machine() -> str:
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA GPU"
+    return f"{gpu}, {usable_cpus()} usable CPUs"
+
+
+def claim(statement: str, lhs: str, op: str, rhs: str | float, *, factor: float = 1.0) -> None:
+    """Check ``lhs op factor * rhs`` on recorded measurements.
+
+    Claims are directions and ratios that should hold on any CUDA GPU. The line shown when one
+    holds has no numbers in it, so nbval can compare it across machines. One that fails is
+    shown in one line (what was expected, what was measured, on what machine) and the notebook
+    goes on; nbval then sees other text, so CI still fails. With ``COLLECTION_STRICT_CLAIMS=1``
+    (committed runs) it raises ``ClaimFailed`` and stops the notebook.
     """
     if op not in OPERATORS:
         raise ValueError(f"op must be one of {sorted(OPERATORS)}")
     entry = {"statement": statement, "lhs": lhs, "op": op, "rhs": rhs, "factor": factor}
-    if not evaluate_claim(entry, MEASUREMENTS):
-        rhs_value = MEASUREMENTS[rhs]["value"] if isinstance(rhs, str) else rhs
-        raise ClaimFailed(f"'{statement}' does not hold here: {lhs} = "
-                          f"{MEASUREMENTS[lhs]['value']:.4g}, {op} {factor:g} x {rhs_value:.4g}"
-                          " is false")
-    _emit(f"claim holds: {statement}", {"claim": entry})
+    if evaluate_claim(entry, MEASUREMENTS):
+        _emit(f"claim holds: {statement}", {"claim": entry})
+        return
+    rhs_value = MEASUREMENTS[rhs]["value"] if isinstance(rhs, str) else rhs
+    measured = (f"{lhs} = {MEASUREMENTS[lhs]['value']:.4g}, {op} {factor:g} x {rhs_value:.4g} "
+                "is false")
+    if os.environ.get(STRICT_CLAIMS) == "1":
+        raise ClaimFailed(f"'{statement}' does not hold here: {measured}")
+    _emit(f"claim does not hold on this machine ({_this_machine()}): {statement}: {measured}; "
+          "the committed run, on the GPU the README's table names, held it",
+          {"claim": {**entry, "holds": False}})
 
 
 #: How a claim that does not apply on this host starts its line. nbval's sanitizer

@@ -606,15 +606,54 @@ def test_record_shows_and_keeps_a_value(fresh_measurements, capsys):
     assert capsys.readouterr().out == "faults: 65,536\n"
 
 
-def test_answer_shows_the_result_beside_the_readers_guess(fresh_measurements, capsys):
+def test_answer_shows_the_result_beside_the_readers_guess_and_how_close(fresh_measurements,
+                                                                       capsys):
     helpers.record("underreport", 143.2, "x", "the clock under-reports by")
     capsys.readouterr()
     helpers.answer("underreport", 10)
-    assert capsys.readouterr().out == "Answer: the clock under-reports by: 143x (your guess: 10x)\n"
-    helpers.answer("underreport")
-    assert "(no guess typed: set my_guess above and run again)" in capsys.readouterr().out
+    assert capsys.readouterr().out == ("Answer: the clock under-reports by: 143x (your guess "
+                                       "10x, off by 14.3x: the result is 14x your guess)\n")
+    helpers.answer("underreport", 120)
+    assert "(your guess 120x, close: the result is 1.2x your guess)" in capsys.readouterr().out
+    helpers.answer("underreport", 250, name="my_guess_first")
+    assert "within a factor of two: the result is 0.57x" in capsys.readouterr().out
+    helpers.answer("underreport", name="my_guess_first")
+    assert "(no guess typed in my_guess_first)" in capsys.readouterr().out
+    helpers.record("wrong", 0, "", "reads wrong")
+    capsys.readouterr()
+    helpers.answer("wrong", 3)
+    assert "(your guess 3, -3 from your guess)" in capsys.readouterr().out
     with pytest.raises(KeyError):
         helpers.answer("never_recorded", 1)
+
+
+def test_an_empty_prediction_stops_run_all_in_one_line_unless_no_reader_types(monkeypatch):
+    monkeypatch.delenv(helpers.GUESSES, raising=False)
+    with pytest.raises(helpers.GuessNeeded) as stopped:
+        helpers.expect_guess(None, "my_guess_launch")
+    assert stopped.value._render_traceback_() == [
+        "Predict first: type your guess into my_guess_launch above (replace None with a "
+        "number), then run this cell again"]
+    helpers.expect_guess(1.5, "my_guess")  # typed: nothing to say
+    monkeypatch.setenv(helpers.GUESSES, "skip")  # nbval and committed runs
+    helpers.expect_guess(None, "my_guess")
+
+
+def test_a_claim_that_fails_on_a_readers_machine_says_so_in_one_line_and_goes_on(
+        fresh_measurements, capsys, monkeypatch):
+    monkeypatch.delenv(helpers.STRICT_CLAIMS, raising=False)
+    helpers.record("fast_ms", 1.0, "ms", "fast")
+    helpers.record("slow_ms", 10.0, "ms", "slow")
+    capsys.readouterr()
+    helpers.claim("fast is under a tenth of slow", "fast_ms", "<", "slow_ms", factor=0.05)
+    shown = capsys.readouterr().out
+    assert shown.count("\n") == 1 and shown.startswith("claim does not hold on this machine (")
+    assert "fast is under a tenth of slow: fast_ms = 1, < 0.05 x 10 is false" in shown
+    assert _nbval_sanitized(shown) != _nbval_sanitized(
+        "claim holds: fast is under a tenth of slow\n")  # nbval, comparing, still fails
+    monkeypatch.setenv(helpers.STRICT_CLAIMS, "1")  # committed runs, and pytest (conftest)
+    with pytest.raises(helpers.ClaimFailed):
+        helpers.claim("fast is under a tenth of slow", "fast_ms", "<", "slow_ms", factor=0.05)
 
 
 def test_claim_holds_or_stops_with_one_line(fresh_measurements, capsys):

@@ -672,7 +672,8 @@ def _teaching_notebook(*cells) -> nbformat.NotebookNode:
 
 
 PROMPT = nbformat.v4.new_markdown_cell("**Predict before you run.** How much faster?")
-GUESS = nbformat.v4.new_code_cell("my_guess = None  # how many times faster")
+GUESS = nbformat.v4.new_code_cell('my_guess = None  # how many times faster\n'
+                                  'helpers.expect_guess(my_guess, "my_guess")')
 SHORT = nbformat.v4.new_markdown_cell("**Short answer.** Several times.",
                                       metadata={"jupyter": {"source_hidden": True}})
 RECORD = nbformat.v4.new_code_cell('helpers.record("speedup", 3.0, "x", "faster by")')
@@ -697,6 +698,32 @@ def test_a_prediction_needs_its_folded_short_answer_and_in_a_typed_notebook_its_
     unanswered = _teaching_notebook(PROMPT, GUESS, SHORT, RECORD)
     assert any("never shown beside its result" in p for p in nbtool.prediction_problems(
         "t.ipynb", unanswered, typed))
+    unstopped = _teaching_notebook(PROMPT, nbformat.v4.new_code_cell("my_guess = None"), SHORT,
+                                   RECORD, ANSWER)
+    assert any("Run all stops" in p for p in nbtool.prediction_problems(
+        "t.ipynb", unstopped, typed))
+
+
+def test_run_all_in_a_blank_copy_stops_at_the_first_prediction_with_one_line(tmp_path,
+                                                                            monkeypatch):
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    nbtool.write_blank_copies(tmp_path)
+    path = tmp_path / "notebooks" / "00_timing_async_work.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    monkeypatch.setenv("COLLECTION_GUESSES", "")  # a reader's kernel: nobody set it
+    client = NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    with pytest.raises(CellExecutionError):
+        client.execute()  # Run all: it stops at the first cell that raises
+    ran = [c for c in nb.cells if c.cell_type == "code" and c.get("execution_count")]
+    stopped = ran[-1]
+    assert nbtool.GUESS.search(stopped.source), stopped.source  # at the first prediction
+    errors = [o for o in stopped.outputs if o.output_type == "error"]
+    assert errors and errors[0].ename == "GuessNeeded"
+    assert len(errors[0].traceback) == 1 and "type your guess into my_guess" in \
+        errors[0].traceback[0]
 
 
 def test_the_record_and_the_checks_are_folded_and_kept_apart_from_the_lesson():

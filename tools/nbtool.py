@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import contextlib
 import copy
 import datetime as dt
 import difflib
@@ -636,6 +637,27 @@ def gpu_names(count: int = 1) -> str | None:
     return ", ".join(names)
 
 
+@contextlib.contextmanager
+def kernel_environment(env: dict[str, str]):
+    """``env`` in this process's environment while the block runs, which the kernels started
+    in it inherit; the environment as it was afterwards."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+#: What a committed run's kernel is told: no reader types guesses, and a claim that fails
+#: stops the run (helpers.GUESSES, helpers.STRICT_CLAIMS)
+COMMITTED_RUN_ENV = {"COLLECTION_GUESSES": "skip", "COLLECTION_STRICT_CLAIMS": "1"}
+
+
 def execute(path: Path, timeout: int = 600) -> dict:
     """Run a notebook top to bottom in a fresh kernel in its folder; stamp and save it."""
     import torch
@@ -661,7 +683,8 @@ def execute(path: Path, timeout: int = 600) -> dict:
     client.on_notebook_start = on_notebook_start
     client.on_cell_executed = on_cell_executed
     start = time.perf_counter()
-    client.execute()
+    with kernel_environment(COMMITTED_RUN_ENV):
+        client.execute()
     wall = time.perf_counter() - start
     tree_peak = watch["tree"].stop() if "tree" in watch else None
     nb.metadata.setdefault(METADATA_KEY, {})["provenance"] = {
@@ -1033,6 +1056,11 @@ def prediction_problems(name: str, nb, typed: frozenset = TYPED_PREDICTIONS) -> 
         for guess in sorted(set(GUESS.findall(code)) - set(ANSWERED.findall(code))):
             problems.append(f"{name}: {guess} is never shown beside its result "
                             f"(helpers.answer(key, {guess}))")
+    for i, cell in enumerate(cells):
+        for guess in GUESS.findall(cell.source) if cell.cell_type == "code" else ():
+            if f'helpers.expect_guess({guess}, "{guess}")' not in cell.source:
+                problems.append(f"{name}, cell {i}: Run all stops at an empty guess: end the "
+                                f'cell with helpers.expect_guess({guess}, "{guess}")')
     return problems
 
 
@@ -1759,17 +1787,10 @@ def execute_for_margins(path: Path, log: Path, timeout: int = 600) -> None:
     with tempfile.TemporaryDirectory(prefix="margins-") as scratch:
         env = claim_log_environment(log, path, nb, "margins", True, Path(scratch) / "ipython")
         env["COLLECTION_FIGURES_DIR"] = str(Path(scratch) / "figures")
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # the kernel inherits this process's environment
-        try:
+        env["COLLECTION_GUESSES"] = "skip"
+        with kernel_environment(env):
             NotebookClient(nb, timeout=timeout, kernel_name="python3",
                            resources={"metadata": {"path": str(path.parent)}}).execute()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
 
 def read_claim_log(log: Path) -> list[dict]:
