@@ -197,6 +197,7 @@ def environment(index: int = 0) -> dict:
            "gpu": None, "gpu_memory_gib": None, "compute_capability": None,
            "pcie_gen": None, "pcie_gen_max": None, "pcie_width": None, "pcie_width_max": None,
            "link_gbps": None, "copy_engines": None, "cpu_count": os.cpu_count(),
+           "usable_cpus": usable_cpus(),
            "host_ram_gib": round(host_ram_gib(), 1), "colab": in_colab()}
     if env["cuda_available"]:
         props = torch.cuda.get_device_properties(index)
@@ -207,6 +208,12 @@ def environment(index: int = 0) -> dict:
                    link_gbps=pcie_link_gbps(gen_max or gen, width_max or width),
                    copy_engines=_copy_engine_count(index))
     return env
+
+
+def _usable(env: dict) -> str:
+    """The CPUs this process may use, where fewer than the host's (``taskset``, a container)."""
+    usable = env.get("usable_cpus")
+    return "" if usable in (None, env["cpu_count"]) else f"{usable} usable by this process, "
 
 
 def format_environment(env: dict) -> str:
@@ -224,7 +231,7 @@ def format_environment(env: dict) -> str:
     rows = [("torch", f"{env['torch']} (CUDA runtime {show(env['cuda_runtime'])}), "
                       f"Python {env['python']}"),
             ("GPU", gpu), ("host link", link),
-            ("host", f"{env['cpu_count']} CPUs, {env['host_ram_gib']} GiB RAM"
+            ("host", f"{env['cpu_count']} CPUs, {_usable(env)}{env['host_ram_gib']} GiB RAM"
                      + (", Google Colab" if env["colab"] else ""))]
     return "\n".join(f"{name:<10} {value}" for name, value in rows)
 
@@ -863,6 +870,8 @@ def pinned_pool() -> dict[str, int]:
     ``torch.cuda.host_memory_stats()`` are not decremented on every free (``freed`` goes
     negative), so they only grow.
     """
+    if torch.cuda.is_available():
+        torch.cuda.init()  # host_memory_stats() reads {} until CUDA is initialised
     stats = torch.cuda.host_memory_stats()
 
     def stat(*names: str) -> int:

@@ -66,6 +66,15 @@ def test_environment_report_prints_a_compact_table(capsys):
     assert env["cuda_available"] == torch.cuda.is_available()
 
 
+def test_environment_report_names_the_cpus_this_process_may_use_where_fewer(monkeypatch):
+    env = {**helpers.environment(), "cpu_count": 16, "usable_cpus": 2}
+    assert "16 CPUs, 2 usable by this process, " in helpers.format_environment(env)
+    env["usable_cpus"] = 16
+    assert "16 CPUs, " + str(env["host_ram_gib"]) in helpers.format_environment(env)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert helpers.environment()["usable_cpus"] == 2  # as under taskset -c 0,1
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report of a CPU-only machine")
 def test_environment_without_cuda_degrades_gracefully():
     env = helpers.environment()
