@@ -1220,33 +1220,99 @@ def stream_lane_id(stream: torch.cuda.Stream) -> int | None:
         return None
 
 
+#: what a lane that nobody named holds, in words: one stream, named for its work (notebook 09)
+LANE_WORDS = {"kernel": "kernels", "H2D": "H2D copies", "D2H": "D2H copies",
+              "D2D": "D2D copies", "memset": "memsets"}
+COPY_KINDS = ("H2D", "D2H", "D2D")
+
+
+def lane_names(activities: Sequence[Activity], stream_names: dict | None = None) -> dict:
+    """A label for each lane of ``activities``: the caller's name (``stream_names`` maps
+    ``torch.cuda.Stream`` objects or profiler ids to labels), else what runs on it, since a
+    profiler id ("stream 7") says nothing to a reader: "compute" for the stream with the most
+    kernel time, and for another stream its two longest kinds of work, "H2D copies + kernels"
+    say (notebooks 07, 09)."""
+    names = {HOST_LANE: "host"}
+    for key, label in (stream_names or {}).items():
+        names[key if isinstance(key, int) else stream_lane_id(key)] = label
+    time_of = collections.defaultdict(collections.Counter)
+    for a in activities:
+        if a.stream != HOST_LANE:
+            time_of[a.stream][a.kind] += a.duration_us
+    compute = max(time_of, key=lambda s: time_of[s]["kernel"], default=None)
+    for stream, kinds in time_of.items():
+        if stream in names:
+            continue
+        if stream == compute and kinds["kernel"] > 0:
+            names[stream] = "compute"
+        else:
+            names[stream] = " + ".join(LANE_WORDS.get(k, k) for k, _ in kinds.most_common(2))
+    return names
+
+
+def _shade(color: str, lighter: float = 0.45) -> tuple:
+    # lighter, not darker: a darker orange reads as the memsets' brown
+    return tuple(c + (1 - c) * lighter for c in matplotlib.colors.to_rgb(color))
+
+
+def _copy_turns(copies: Sequence[Activity]) -> list[int]:
+    """0 or 1 for each copy of one lane, in time order: the shade it is drawn in. The shade
+    changes at each large copy (a quarter of the longest or more), so that back-to-back batches
+    alternate; a small copy (a batch's labels after its images) keeps the shade before it."""
+    longest = max((a.duration_us for a in copies), default=0)
+    turns, turn = [0] * len(copies), 1
+    for i in sorted(range(len(copies)), key=lambda i: copies[i].start_us):
+        if copies[i].duration_us >= 0.25 * longest:
+            turn = 1 - turn
+        turns[i] = turn
+    return turns
+
+
+def _label_host_spans(ax, activities: Sequence[Activity], row_of: dict, span_ms: float) -> None:
+    """Name the host spans wide enough to hold their label, widest first, skipping any whose
+    label would overlap one already written: the step's mark encloses next() and the release,
+    and two labels centred on nested spans overprint."""
+    written = collections.defaultdict(list)  # lane -> (start, end) of each label, in ms
+    for a in sorted((a for a in activities if a.kind == "host"), key=lambda a: -a.duration_us):
+        width = len(a.name) * 0.009 * span_ms  # a label's width at fontsize 8 in a 9-inch figure
+        if a.duration_us / 1e3 < 1.2 * width:
+            continue
+        middle = (a.start_us + a.end_us) / 2e3
+        extent = (middle - width / 2, middle + width / 2)
+        if any(extent[0] < right and left < extent[1] for left, right in written[a.stream]):
+            continue
+        written[a.stream].append(extent)
+        ax.text(middle, row_of[a.stream], a.name, ha="center", va="center", fontsize=8,
+                clip_on=True)
+
+
 def plot_timeline(activities: Sequence[Activity], *, title: str = "", ax=None,
                   stream_names: dict | None = None):
     """Draw one lane per stream, one coloured bar per activity. Returns the figure.
 
-    ``stream_names`` maps streams (``torch.cuda.Stream`` objects or profiler ids) to lane labels.
-    Bars are at least 0.2% of the time span wide, so that microsecond copies in a
-    milliseconds-long timeline stay visible.
+    Lanes are named by ``lane_names``. Bars are at least 0.2% of the time span wide, so that
+    microsecond copies in a milliseconds-long timeline stay visible; copies alternate between
+    two shades of their colour, so that back-to-back copies read as separate bars (one copy per
+    batch, notebook 07), not one (notebooks 00, 07, 09).
     """
     if ax is None:
         lanes = len({a.stream for a in activities})
         _, ax = plt.subplots(figsize=(9, 0.7 + 0.55 * max(lanes, 1)))
     streams = sorted({a.stream for a in activities})
-    names = {HOST_LANE: "host"}
-    for key, label in (stream_names or {}).items():
-        names[key if isinstance(key, int) else stream_lane_id(key)] = label
+    names = lane_names(activities, stream_names)
     span_ms = max((a.end_us for a in activities), default=0) / 1e3
     for row, stream in enumerate(streams):
         for kind, color in KIND_COLORS.items():
-            spans = [(a.start_us / 1e3, max(a.duration_us / 1e3, 0.002 * span_ms))
-                     for a in activities if a.stream == stream and a.kind == kind]
-            if spans:
-                ax.broken_barh(spans, (row - 0.35, 0.7), facecolors=color, edgecolor="none")
-    for a in activities:  # name the host spans that are wide enough to hold a label
-        if a.kind == "host" and a.duration_us / 1e3 > 0.12 * span_ms:
-            ax.text((a.start_us + a.end_us) / 2e3, streams.index(a.stream), a.name,
-                    ha="center", va="center", fontsize=8, clip_on=True)
-    ax.set_yticks(range(len(streams)), [names.get(s, f"stream {s}") for s in streams])
+            lane = [a for a in activities if a.stream == stream and a.kind == kind]
+            turns = _copy_turns(lane) if kind in COPY_KINDS else [0] * len(lane)
+            for turn, shade in enumerate((color, _shade(color))):
+                spans = [(a.start_us / 1e3, max(a.duration_us / 1e3, 0.002 * span_ms))
+                         for a, t in zip(lane, turns, strict=True) if t == turn]
+                if spans:
+                    ax.broken_barh(spans, (row - 0.35, 0.7), facecolors=shade,
+                                   edgecolor="none")
+    _label_host_spans(ax, activities, {s: streams.index(s) for s in streams}, span_ms)
+    ax.set_yticks(range(len(streams)), [names[s] for s in streams])
     ax.set_ylim(-0.6, len(streams) - 0.4)
     ax.invert_yaxis()
     ax.set_xlabel("time on the device (ms)")
@@ -1296,11 +1362,22 @@ STYLE = {
 matplotlib.rcParams.update(STYLE)
 
 
+def _ratio_to(value: float, reference: float, label: str) -> str:
+    ratio = value / reference if reference else float("nan")
+    if ratio == ratio and 0 < ratio < 0.5:  # "1/199 of", which a "0.005x" would hide
+        return f"1/{1 / ratio:.0f} of {label}"
+    return f"{ratio:.2f}x {label}"
+
+
 def plot_timings(timings: dict[str, Timing | float], *, title: str = "", unit: str = "ms",
-                 log: bool = True, reference: tuple[float, str] | None = None, ax=None):
+                 log: bool = True, reference: tuple[float, str] | None = None, ax=None,
+                 ratios: bool = False):
     """Horizontal bars of medians with interquartile whiskers (plain floats: bars alone).
 
-    ``reference`` draws a labelled vertical line, e.g. the device time everything is compared to.
+    ``reference`` draws a labelled vertical line, e.g. the device time everything is compared to;
+    with ``ratios``, each bar's label also gives its median over the reference ("1/199 of device
+    time"): on a log axis a 199x gap looks like a 20x one, so a figure whose point is the ratio
+    takes ``log=False`` and the ratios written out (notebook 00).
     """
     if ax is None:
         _, ax = plt.subplots(figsize=(7.5, 0.9 + 0.45 * len(timings)))
@@ -1311,12 +1388,17 @@ def plot_timings(timings: dict[str, Timing | float], *, title: str = "", unit: s
     ax.barh(names, medians, xerr=errors, color=[f"C{i % 6}" for i in range(len(names))],
             capsize=3)
     for row, (value, upper) in enumerate(zip(medians, errors[1], strict=True)):
-        ax.annotate(f" {value:.3g} {unit}", (value + upper, row), va="center", fontsize=9)
+        label = f" {value:.3g} {unit}"
+        if ratios and reference is not None:
+            label += f" ({_ratio_to(value, reference[0], reference[1].strip())})"
+        ax.annotate(label, (value + upper, row), va="center", fontsize=9)
     if reference is not None:
         ax.axvline(reference[0], color="0.3", linestyle="--", linewidth=1, label=reference[1])
         ax.legend(loc="lower right")
     if log:
         ax.set_xscale("log")
+    elif ratios:  # room on the right for the longest bar's label
+        ax.set_xlim(0, 1.45 * max(m + u for m, u in zip(medians, errors[1], strict=True)))
     ax.invert_yaxis()
     ax.grid(axis="y", visible=False)
     ax.set_xlabel(f"time ({unit}{', log scale' if log else ''})")
@@ -2060,6 +2142,22 @@ ADVICE = {
     "host_waits": ("remove every one of these waits: while one is left, the GPU runs dry at it "
                    "and the others cost little", ("05", "09")),
 }
+#: per kind of finding: who waits, and for what, in words (CheckupReport.summary)
+WAITS_ON = {
+    "pageable_h2d": "the host, for each copy from pageable memory to finish",
+    "constant_h2d": "the host, for a tensor made from Python values to be copied",
+    "blocking_h2d": "the host, for a pinned copy made without non_blocking=True",
+    "copy_exposed": "the GPU, for the batch's copy: no kernel runs beside it",
+    "scalar_read": "the host, for the GPU, at each .item()",
+    "blocking_d2h": "the host, for a device-to-host copy",
+    "explicit_sync": "the host, for the GPU, at a synchronize() call",
+    "hidden_sync": "the host, for an operation whose output size depends on the data",
+    "grad_scaler": "the host, for GradScaler's check of the gradients",
+    "nonfinite_check": "the host, for the gradient norm's check",
+    "data_wait": "the GPU, while the host takes the next batch and frees the last",
+    "host_bound": "the GPU, for Python to launch its kernels",
+    "host_waits": "the host, for the GPU, at each of",
+}
 #: data_wait where the batch source alone keeps ahead of the step: the wait is next()'s own
 #: work on the step's thread (taking the batch from the workers), not the loader's pace
 KEEPS_UP_ADVICE = ("the loader keeps up, but next() takes each batch from the workers on this "
@@ -2266,6 +2364,41 @@ class CheckupReport:
             lines += [f"  - {f}" for f in self.latent]
         return "\n".join(lines)
 
+    def summary(self) -> str:
+        """A few lines for a newcomer: the step as timed, the costliest finding (what waits,
+        the step time its fix would save, what to change), the others by name. The savings are
+        the replay's estimates, and say so; ``str(report)`` is the full report (notebook 09)."""
+        if self.step_ms == self.step_ms:
+            lines = [f"step: {self.step_ms:.3g} ms, timed; GPU busy {self.gpu_busy:.0%} of it "
+                     f"(kernel time, profiled)"]
+        else:
+            lines = [f"step: {self.profiled_step_ms:.3g} ms, profiled"]
+        step_ms = self.step_ms if self.step_ms == self.step_ms else self.profiled_step_ms
+        if not self.findings:
+            floor = max(MIN_SAVING_SHARE * step_ms, MIN_SAVING_MS)
+            lines.append(f"nothing to change: no wait the check-up saw would save {floor:.2g} ms "
+                         f"a step or more (estimated)")
+        else:
+            top = self.findings[0]
+            lines += [f"what waits: {self._waits_on(top)}",
+                      f"what it costs: about {top.cost_ms:.3g} ms a step "
+                      f"({top.cost_ms / step_ms:.0%} of the step), estimated by replaying the "
+                      f"profiled steps without it",
+                      f"what to change: {top.advice} (notebook {', '.join(top.notebooks)})"]
+            if len(self.findings) > 1:
+                lines.append("also found: " + ", ".join(
+                    f"{f.kind} (about {f.cost_ms:.2g} ms)" for f in self.findings[1:])
+                    + ", estimated")
+        if self.unsteady() or self.paced_copies:
+            lines.append("the full report (print(report)) notes why these estimates may be off")
+        return "\n".join(lines)
+
+    def _waits_on(self, finding: Finding) -> str:
+        if finding.kind == "host_waits":
+            return (f"{WAITS_ON['host_waits']} {', '.join(self.waits_together)} (host_waits, "
+                    f"priced together)")
+        return f"{WAITS_ON[finding.kind]} ({finding.kind})"
+
     def step_window(self, first: int, count: int = 1) -> list[Activity]:
         """Profiled steps ``first`` to ``first + count - 1`` as the GPU ran them: the device
         work from the start of the first one's mark on the GPU to the start of the next, and
@@ -2279,6 +2412,19 @@ class CheckupReport:
                 for a in self.activities
                 if (begin <= a.start_us < end if a.kind != "host"
                     else a.start_us < end and a.end_us > begin)]
+
+    def side_copy_window(self, count: int = 2, default: int = 4) -> int:
+        """The first profiled step from which ``count`` steps, as ``step_window`` cuts them, hold
+        a copy off the compute stream; ``default`` where none does. A prefetcher's host runs
+        ahead of the GPU and queues its copies as it goes, so they run under earlier steps than
+        the ones they feed, and a window taken anywhere can hold none (notebook 09)."""
+        spans = self.gpu_steps or self.host_steps
+        for first in range(max(len(spans) - count + 1, 0)):
+            window = self.step_window(first, count)
+            names = lane_names(window)
+            if any(a.kind in COPY_KINDS and names[a.stream] != "compute" for a in window):
+                return first
+        return default
 
 
 # Which call of the reader's code made the host wait: from the stack of the blocking call

@@ -595,6 +595,77 @@ def test_plot_timelines_shares_one_time_axis(tmp_path):
     assert (tmp_path / "three.png").stat().st_size > 0
 
 
+def _lane_labels(fig):
+    return [t.get_text() for t in fig.axes[0].get_yticklabels()]
+
+
+def test_timeline_lanes_are_named_for_their_work_not_the_profilers_stream_id():
+    acts = [helpers.Activity(7, "kernel", "conv", 0, 900),
+            helpers.Activity(13, "H2D", "Memcpy HtoD", 0, 300),
+            helpers.Activity(21, "H2D", "Memcpy HtoD", 100, 400),
+            helpers.Activity(21, "kernel", "normalise", 400, 450),
+            helpers.Activity(helpers.HOST_LANE, "host", "step", 0, 900)]
+    fig = helpers.plot_timeline(acts)
+    assert _lane_labels(fig) == ["host", "compute", "H2D copies", "H2D copies + kernels"]
+    helpers.plt.close(fig)
+    # a name the caller gives wins over the lane's work
+    fig = helpers.plot_timeline(acts, stream_names={13: "prefetch copies"})
+    assert _lane_labels(fig)[2] == "prefetch copies"
+    helpers.plt.close(fig)
+
+
+def test_back_to_back_copies_stay_separate_bars(tmp_path):
+    # two copies with no gap between them: one bar each, in alternating shades, so that "copy
+    # k+1 under step k" can be seen (a single shade drew them as one bar, issue 48)
+    acts = [helpers.Activity(13, "H2D", "Memcpy HtoD", 0, 500),
+            helpers.Activity(13, "H2D", "Memcpy HtoD", 500, 1000),
+            helpers.Activity(7, "kernel", "k", 0, 1000)]
+    fig = helpers.plot_timeline(acts, stream_names={13: "prefetch copies", 7: "compute"})
+    copies = [c for c in fig.axes[0].collections
+              if tuple(c.get_facecolor()[0][:3]) != helpers.matplotlib.colors.to_rgb(
+                  helpers.KIND_COLORS["kernel"])]
+    assert sum(len(c.get_paths()) for c in copies) == 2
+    assert len({tuple(c.get_facecolor()[0]) for c in copies}) == 2
+    helpers.save_figure(fig, "copies", directory=tmp_path)
+    helpers.plt.close(fig)
+    # a batch of images and labels: the labels' small copy keeps its images' shade, and the next
+    # batch's images take the other one
+    batches = [helpers.Activity(13, "H2D", "images", 0, 500),
+               helpers.Activity(13, "H2D", "labels", 500, 505),
+               helpers.Activity(13, "H2D", "images", 505, 1005)]
+    assert helpers._copy_turns(batches) == [0, 0, 1]
+
+
+def test_nested_host_spans_get_one_label_not_two_overprinted():
+    acts = [helpers.Activity(helpers.HOST_LANE, "host", "checkup: step", 0, 10_000),
+            helpers.Activity(helpers.HOST_LANE, "host", "checkup: next batch", 0, 9_000),
+            helpers.Activity(7, "kernel", "k", 0, 20_000)]
+    fig = helpers.plot_timeline(acts)
+    assert [t.get_text() for t in fig.axes[0].texts] == ["checkup: step"]
+    helpers.plt.close(fig)
+
+
+def test_plot_timings_writes_each_bar_over_the_reference_on_a_linear_axis():
+    fig = helpers.plot_timings({"no sync": 0.0134, "events": 2.66}, log=False, ratios=True,
+                               reference=(2.66, " device time"))
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "linear" and ax.get_xlim()[0] == 0
+    labels = [t.get_text() for t in ax.texts]
+    assert labels == [" 0.0134 ms (1/199 of device time)", " 2.66 ms (1.00x device time)"]
+    helpers.plt.close(fig)
+
+
+def test_the_four_clocks_figure_draws_its_199x_gap_on_a_linear_axis():
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "00_timing_async_work.ipynb"
+    nb = json.loads(path.read_text())
+    [cell] = [c for c in nb["cells"] if "00_timing_four_clocks" in "".join(c["source"])]
+    source = "".join(cell["source"])
+    assert "log=False" in source and "ratios=True" in source
+
+
 # ---------------------------------------------------------------------------- results and claims
 
 
@@ -2170,6 +2241,54 @@ def test_checkup_step_window_keeps_a_steps_kernels_with_it_when_the_host_runs_ah
     # the host lane: what the host ran meanwhile, steps 2 and 3, clipped to the window
     assert len([a for a in window if a.kind == "host"]) == 2
 
+
+def test_checkup_finds_a_window_that_holds_the_prefetchers_copies():
+    # the host ran ahead: the side stream's copies ran under the first two steps only, and
+    # steps 4 and 5 (the figure's usual window) hold none
+    def body(t0, k):
+        copies = [_device("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", t0 + 100, 200, 9,
+                          nbytes=8)] if k < 2 else []
+        return [_device("kernel", "k", t0, 990, 7)] + copies
+
+    report = helpers.analyze_checkup_trace(_step_trace(1000, body, steps=6), steps=6)
+    assert not [a for a in report.step_window(4, 2) if a.kind == "H2D"]
+    first = report.side_copy_window(2)
+    assert first == 0
+    window = report.step_window(first, 2)
+    assert helpers.lane_names(window)[9] == "H2D copies"
+    assert helpers.lane_names(window)[7] == "compute"
+    # no copy off the compute stream anywhere: the default window
+    none = helpers.analyze_checkup_trace(_step_trace(1000, lambda t0, k: body(t0, 5), steps=6),
+                                         steps=6)
+    assert none.side_copy_window(2, default=3) == 3
+
+def test_checkup_summary_says_what_waits_what_it_costs_and_what_to_change_as_estimates():
+    report = helpers.analyze_checkup_trace(_step_trace(1000, _two_waits_step, steps=4), steps=4,
+                                           step_ms=1.0)
+    lines = report.summary().splitlines()
+    assert lines[0].startswith("step: 1 ms, timed; GPU busy")
+    assert lines[1] == ("what waits: the host, for the GPU, at each of explicit_sync, "
+                        "scalar_read (host_waits, priced together)")
+    top = report.findings[0]
+    assert lines[2] == (f"what it costs: about {top.cost_ms:.3g} ms a step "
+                        f"({top.cost_ms:.0%} of the step), estimated by replaying the profiled "
+                        f"steps without it")
+    assert lines[3].startswith(f"what to change: {top.advice}")
+    # a few lines, not the full report's table; no modelled value given as measured
+    assert len(lines) <= 6 and str(report).count("\n") > 2 * len(lines)
+    assert "host busy" not in report.summary() and "launch queue" not in report.summary()
+
+
+def test_checkup_summary_of_a_clean_step_says_there_is_nothing_to_change():
+    def hidden(t0, k):
+        return [_device("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", t0 + 100, 200, 9,
+                        nbytes=8),
+                _device("kernel", "k", t0, 990, 7)]
+
+    summary = helpers.analyze_checkup_trace(_step_trace(1000, hidden), steps=2).summary()
+    assert summary.splitlines()[0].startswith("step: ") and "profiled" in summary
+    assert "nothing to change" in summary and "(estimated)" in summary
+    assert "what waits" not in summary
 
 # The check-up against ablations (issue 35): a loop in each regime, built as a user writes it
 # ("as_is") and with the fix for the finding the check-up must name first ("fixed"), both timed the
