@@ -4631,8 +4631,10 @@ class HostBuffer:
 
     def close(self) -> None:
         if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            error = torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.registered = False
+            if int(error) != 0:
+                raise RuntimeError(f"HostBuffer: cudaHostUnregister failed ({error})")
 
     def __enter__(self) -> HostBuffer:
         return self
