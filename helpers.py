@@ -4725,3 +4725,55 @@ def swap_states(leaving: ParkedState, arriving: ParkedState) -> tuple:
             in_events.append(arriving._restore_one(k))
     leaving.parked, arriving.parked = True, False
     return out_events[-1], in_events[-1]
+
+
+# The tool readers use today, timed in a process of its own: torch_memory_saver replaces the
+# caching allocator's CUDA calls (hook_mode "torch": a pluggable allocator), which only a process
+# that has not yet used CUDA can do.
+_MEMORY_SAVER_RUN = """
+import json, sys, time
+import torch
+from torch_memory_saver import torch_memory_saver as saver
+saver.hook_mode = "torch"
+retain, tensors_wanted, width, cycles = sys.argv[1] == "1", *map(int, sys.argv[2:5])
+with saver.region(enable_cpu_backup=True):
+    state = [torch.randn(width, width, device="cuda") for _ in range(tensors_wanted)]
+reference = [t.clone() for t in state]
+saver.retain_cpu_backup = retain
+spans = []
+for _ in range(cycles + 1):
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    saver.pause()
+    torch.cuda.synchronize()
+    paused = time.perf_counter()
+    saver.resume()
+    torch.cuda.synchronize()
+    spans.append(((paused - began) * 1e3, (time.perf_counter() - paused) * 1e3))
+print(json.dumps({"first": sum(spans[0]), "park": [p for p, _ in spans[1:]],
+                  "restore": [r for _, r in spans[1:]],
+                  "intact": all(torch.equal(t, r) for t, r in zip(state, reference))}))
+"""
+
+
+def memory_saver_cycles(tensors: int, width: int, *, retain: bool, cycles: int = 5,
+                        timeout: float = 300) -> dict | str:
+    """Park and restore ``tensors`` float32 tensors of ``width`` x ``width`` with
+    torch_memory_saver (``pause``/``resume`` of a region with a CPU backup, keeping that
+    backup between cycles with ``retain``), in a new Python process (notebook 14). Returns
+    {"first", "park", "restore" (ms per cycle), "intact"}, or why it could not run: the
+    package is missing, or the process failed (its last line of error)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _MEMORY_SAVER_RUN, "1" if retain else "0", str(tensors),
+             str(width), str(cycles)], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"torch_memory_saver did not finish in {timeout:.0f} s"
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        last = lines[-1] if lines else f"exit status {done.returncode}"
+        return ("torch_memory_saver is not installed (pip install torch_memory_saver)"
+                if "No module named 'torch_memory_saver'" in done.stderr else last[:200])
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -185,3 +185,34 @@ def test_swap_states_on_the_gpu_moves_both_states_bit_for_bit():
         job_a.close()
         job_b.close()
         gc.collect()
+
+
+def test_memory_saver_cycles_says_why_it_cannot_run():
+    import importlib.util
+
+    if importlib.util.find_spec("torch_memory_saver") is not None:
+        pytest.skip("torch_memory_saver is installed here: nothing to refuse")
+    reason = helpers.memory_saver_cycles(1, 8, retain=False, timeout=120)
+    assert isinstance(reason, str) and "not installed" in reason and "\n" not in reason
+
+
+def test_memory_saver_cycles_reads_the_last_line_its_process_prints(monkeypatch):
+    import json
+    import subprocess
+
+    printed = {"first": 9.0, "park": [1.0, 2.0], "restore": [3.0, 4.0], "intact": True}
+    seen = {}
+
+    def run(args, **kwargs):
+        seen["args"] = args
+        return subprocess.CompletedProcess(args, 0, "a warning\n" + json.dumps(printed), "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    assert helpers.memory_saver_cycles(32, 4096, retain=True, cycles=2) == printed
+    assert seen["args"][-4:] == ["1", "32", "4096", "2"]
+
+    def fails(args, **kwargs):
+        return subprocess.CompletedProcess(args, 1, "", "Traceback\nRuntimeError: no GPU\n")
+
+    monkeypatch.setattr(subprocess, "run", fails)
+    assert helpers.memory_saver_cycles(1, 8, retain=False) == "RuntimeError: no GPU"
