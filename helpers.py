@@ -4731,7 +4731,7 @@ def swap_states(leaving: ParkedState, arriving: ParkedState) -> tuple:
 # caching allocator's CUDA calls (hook_mode "torch": a pluggable allocator), which only a process
 # that has not yet used CUDA can do.
 _MEMORY_SAVER_RUN = """
-import json, sys, time
+import json, os, sys, time
 import torch
 from torch_memory_saver import torch_memory_saver as saver
 saver.hook_mode = "torch"
@@ -4752,7 +4752,11 @@ for _ in range(cycles + 1):
     spans.append(((paused - began) * 1e3, (time.perf_counter() - paused) * 1e3))
 print(json.dumps({"first": sum(spans[0]), "park": [p for p, _ in spans[1:]],
                   "restore": [r for _, r in spans[1:]],
-                  "intact": all(torch.equal(t, r) for t, r in zip(state, reference))}))
+                  "intact": all(torch.equal(t, r) for t, r in zip(state, reference))}),
+      flush=True)
+# Freeing the region's memory outside a region aborts torch_memory_saver (tms_torch_free checks
+# that it is in one), and interpreter teardown would do that: leave without it.
+os._exit(0)
 """
 
 
