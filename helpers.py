@@ -4750,3 +4750,240 @@ class GraphedStep:
     def __call__(self, *batch: torch.Tensor):
         self.load(*batch)
         return self.replay()
+
+
+# --------------------------------------------------------------------------------------------
+# 12. Parking a training state in host memory (notebook 14)
+# --------------------------------------------------------------------------------------------
+
+
+def state_by_kind(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list]:
+    """A training state's GPU tensors by kind (notebook 14): the weights, their gradients and
+    each tensor the optimizer keeps per parameter (AdamW: ``exp_avg``, ``exp_avg_sq``), in the
+    model's parameter order. Tensors on the host (a non-capturable optimizer's step counts) are
+    left out: they stay where they are."""
+    params = [p for p in model.parameters() if p.is_cuda]
+    kinds: dict[str, list] = {"weights": params,
+                              "gradients": [p.grad for p in params if p.grad is not None]}
+    for p in params:
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                kinds.setdefault(key, []).append(value)
+    return {kind: tensors for kind, tensors in kinds.items() if tensors}
+
+
+def _parkable(tensors: Sequence[torch.Tensor], device_type: str = "cuda") -> list[torch.Tensor]:
+    """The tensors, checked: at least one, each on one device of ``device_type``, each the
+    whole of a storage of its own (parking frees a storage: a view would lose its base's
+    memory, or another view's)."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("nothing to park: no tensors")
+    seen: set = set()
+    for index, t in enumerate(tensors):
+        storage = t.untyped_storage()
+        if t.device != tensors[0].device or t.device.type != device_type:
+            raise ValueError(f"tensor {index} is on {t.device}: every parked tensor must be on "
+                             f"the {device_type} device of the first ({tensors[0].device})")
+        if (t.storage_offset() != 0 or not t.is_contiguous()
+                or t.numel() * t.element_size() != storage.nbytes()):
+            raise ValueError(f"tensor {index} ({list(t.shape)}, {t.dtype}) is a view of a "
+                             "larger storage: park the tensor that owns the storage instead")
+        if storage.data_ptr() in seen:
+            raise ValueError(f"tensor {index} shares its storage with an earlier one: park "
+                             "each storage once")
+        seen.add(storage.data_ptr())
+    return tensors
+
+
+class HostBuffer:
+    """``nbytes`` of page-locked host memory, exactly (notebook 14): pageable memory from
+    ``torch.empty``, then registered with CUDA (``cudaHostRegister``), where PyTorch's caching
+    host allocator would pin the next power of two (``pinned_block_bytes``). ``views`` lays
+    tensors like given ones out in it, back to back, each at a 512-byte boundary. ``close``
+    (or the end of a ``with`` block) unregisters it; the memory goes when the last view does.
+    Refuses, in one line, a size of 0 and a registration CUDA refuses (such as a memlock limit)."""
+
+    ALIGN = 512
+
+    def __init__(self, nbytes: int):
+        if nbytes <= 0:
+            raise ValueError(f"HostBuffer: {nbytes} bytes: nothing to register")
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self.nbytes = nbytes
+        error = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+        if int(error) != 0:
+            raise RuntimeError(f"HostBuffer: cudaHostRegister of {format_bytes(nbytes)} failed "
+                               f"({error}); the memlock limit is {memlock_limit()}")
+        self.registered = True
+
+    @classmethod
+    def layout(cls, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """Each tensor's offset in a buffer that holds them all, then the buffer's size."""
+        offsets, end = [], 0
+        for t in tensors:
+            offsets.append(end)
+            end += -(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN
+        return [*offsets, end]
+
+    def views(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Host tensors shaped and typed like ``tensors``, laid out in this buffer."""
+        *offsets, end = self.layout(tensors)
+        if end > self.nbytes:
+            raise ValueError(f"HostBuffer: the tensors need {format_bytes(end)}, the buffer "
+                             f"holds {format_bytes(self.nbytes)}")
+        return [self.tensor[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                for o, t in zip(offsets, tensors, strict=True)]
+
+    def close(self) -> None:
+        if self.registered:
+            error = torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.registered = False
+            if int(error) != 0:
+                raise RuntimeError(f"HostBuffer: cudaHostUnregister failed ({error})")
+
+    def __enter__(self) -> HostBuffer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ParkedState:
+    """A training state that can leave the GPU and come back, its tensors keeping their
+    identity (notebook 14). ``park`` copies each tensor into its view of a ``HostBuffer`` on
+    ``stream``, then frees its GPU storage (``resize_(0)``: the model and the optimizer keep
+    the same tensor objects), once the current stream has waited for that tensor's copy (a
+    later allocation there may reuse the memory). ``restore`` allocates each storage again on
+    the current stream and copies it back on ``stream``, after ``stream`` has waited for the
+    current one (the allocation may reuse memory that work queued there still uses). Each
+    returns the event after its copies: make the current stream wait on it before a kernel
+    reads the state, and ``synchronize`` it before the host reads the buffer. ``swap_states``
+    parks one state while it restores another. A restored storage may sit at another
+    address: capture a CUDA graph again after a restore (notebook 13). The tensors are
+    checked by ``_parkable``; a second park, or a restore of a state not parked, is refused."""
+
+    DEVICE_TYPE = "cuda"  # the tests park CPU tensors, with streams faked
+
+    def __init__(self, tensors: Sequence[torch.Tensor], stream=None):
+        self.tensors = _parkable(tensors, self.DEVICE_TYPE)
+        self.nbytes = [t.untyped_storage().nbytes() for t in self.tensors]
+        self.buffer = HostBuffer(HostBuffer.layout(self.tensors)[-1])
+        self.host = self.buffer.views(self.tensors)
+        self.stream = stream or torch.cuda.Stream(self.tensors[0].device)
+        self.parked = False
+
+    def _current(self):
+        return torch.cuda.current_stream(self.tensors[0].device)
+
+    def _park_one(self, index: int) -> torch.cuda.Event:
+        tensor = self.tensors[index]
+        self.stream.wait_stream(self._current())  # the tensor's last writes come first
+        with torch.cuda.stream(self.stream):
+            self.host[index].copy_(tensor.detach(), non_blocking=True)
+        copied = self.stream.record_event()
+        self._current().wait_event(copied)  # a reuse of the memory waits for the copy
+        tensor.untyped_storage().resize_(0)
+        return copied
+
+    def _restore_one(self, index: int) -> torch.cuda.Event:
+        tensor = self.tensors[index]
+        tensor.untyped_storage().resize_(self.nbytes[index])  # on the current stream
+        self.stream.wait_stream(self._current())
+        with torch.cuda.stream(self.stream), torch.no_grad():
+            tensor.detach().copy_(self.host[index], non_blocking=True)
+        return self.stream.record_event()
+
+    def park(self) -> torch.cuda.Event:
+        if self.parked:
+            raise RuntimeError("ParkedState: already parked; restore it first")
+        events = [self._park_one(i) for i in range(len(self.tensors))]
+        self.parked = True
+        return events[-1]  # the copies run in order on one stream: the last is the latest
+
+    def restore(self) -> torch.cuda.Event:
+        if not self.parked:
+            raise RuntimeError("ParkedState: not parked; nothing to restore")
+        events = [self._restore_one(i) for i in range(len(self.tensors))]
+        self.parked = False
+        return events[-1]
+
+    def close(self) -> None:
+        self.buffer.close()
+
+
+def swap_states(leaving: ParkedState, arriving: ParkedState) -> tuple:
+    """Park ``leaving`` and restore ``arriving`` tensor by tensor, interleaved (notebook 14):
+    the k-th restore may reuse the memory the k-th park freed, and waits for that park's copy
+    only (and those before it), so that the copies out run on one copy engine while the copies
+    in run on another. Returns the events after the last copy of each."""
+    if leaving.parked or not arriving.parked:
+        raise RuntimeError("swap_states: the leaving state must be on the GPU and the "
+                           "arriving one parked")
+    if leaving.tensors[0].device != arriving.tensors[0].device:
+        raise ValueError(f"swap_states: the states are on {leaving.tensors[0].device} and "
+                         f"{arriving.tensors[0].device}; swap states of one GPU")
+    out_events, in_events = [], []
+    for k in range(max(len(leaving.tensors), len(arriving.tensors))):
+        if k < len(leaving.tensors):
+            out_events.append(leaving._park_one(k))
+        if k < len(arriving.tensors):
+            in_events.append(arriving._restore_one(k))
+    leaving.parked, arriving.parked = True, False
+    return out_events[-1], in_events[-1]
+
+
+# The tool readers use today, timed in a process of its own: torch_memory_saver replaces the
+# caching allocator's CUDA calls (hook_mode "torch": a pluggable allocator), which only a process
+# that has not yet used CUDA can do.
+_MEMORY_SAVER_RUN = """
+import json, os, sys, time
+import torch
+from torch_memory_saver import torch_memory_saver as saver
+saver.hook_mode = "torch"
+retain, tensors_wanted, width, cycles = sys.argv[1] == "1", *map(int, sys.argv[2:5])
+with saver.region(enable_cpu_backup=True):
+    state = [torch.randn(width, width, device="cuda") for _ in range(tensors_wanted)]
+reference = [t.clone() for t in state]
+saver.retain_cpu_backup = retain
+spans = []
+for _ in range(cycles + 1):
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    saver.pause()
+    torch.cuda.synchronize()
+    paused = time.perf_counter()
+    saver.resume()
+    torch.cuda.synchronize()
+    spans.append(((paused - began) * 1e3, (time.perf_counter() - paused) * 1e3))
+print(json.dumps({"first": sum(spans[0]), "park": [p for p, _ in spans[1:]],
+                  "restore": [r for _, r in spans[1:]],
+                  "intact": all(torch.equal(t, r) for t, r in zip(state, reference))}),
+      flush=True)
+# Freeing the region's memory outside a region aborts torch_memory_saver (tms_torch_free checks
+# that it is in one), and interpreter teardown would do that: leave without it.
+os._exit(0)
+"""
+
+
+def memory_saver_cycles(tensors: int, width: int, *, retain: bool, cycles: int = 5,
+                        timeout: float = 300) -> dict | str:
+    """Park and restore ``tensors`` float32 tensors of ``width`` x ``width`` with
+    torch_memory_saver (``pause``/``resume`` of a region with a CPU backup, keeping that
+    backup between cycles with ``retain``), in a new Python process (notebook 14). Returns
+    {"first", "park", "restore" (ms per cycle), "intact"}, or why it could not run: the
+    package is missing, or the process failed (its last line of error)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _MEMORY_SAVER_RUN, "1" if retain else "0", str(tensors),
+             str(width), str(cycles)], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"torch_memory_saver did not finish in {timeout:.0f} s"
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        last = lines[-1] if lines else f"exit status {done.returncode}"
+        return ("torch_memory_saver is not installed (pip install torch_memory_saver)"
+                if "No module named 'torch_memory_saver'" in done.stderr else last[:200])
+    return json.loads(done.stdout.strip().splitlines()[-1])

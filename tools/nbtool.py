@@ -1555,6 +1555,8 @@ NOT_TIMING = frozenset({
     "cold_disk_share", "warm_disk_share",  # 12: bytes the kernel counted as read from the disk
     "exercise_pinned_ratio",  # 06: pinned bytes held against the prediction
     "pins_inside_next_share",  # 06: the share of pin_memory() calls made inside next()
+    # 14: GPU memory freed or kept, over the state's size (the allocator's and driver's counts)
+    "partial_freed", "allocated_freed", "free_while_cached", "free_after_empty",
 })
 MARGINS_START, MARGINS_END = "<!-- margins:start -->", "<!-- margins:end -->"
 
