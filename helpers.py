@@ -1545,12 +1545,19 @@ def answer(key: str, guess: float | None = None, name: str = "my_guess") -> None
 OPERATORS = {"<": float.__lt__, "<=": float.__le__, ">": float.__gt__, ">=": float.__ge__}
 
 
+def claim_side(claim: dict, side: str, measurements: dict[str, dict]) -> float:
+    """One side of a claim as a number: a recorded key's value, else the number the claim was
+    given (kept as ``lhs_value``/``rhs_value`` where it was measured in place)."""
+    given = claim[side]
+    if isinstance(given, str):
+        return float(measurements[given]["value"])
+    return float(given if given is not None else claim[f"{side}_value"])
+
+
 def evaluate_claim(claim: dict, measurements: dict[str, dict]) -> bool:
-    """Whether ``lhs op factor * rhs`` holds for the recorded values (rhs: a key or a number)."""
-    lhs = measurements[claim["lhs"]]["value"]
-    rhs = claim["rhs"]
-    rhs = measurements[rhs]["value"] if isinstance(rhs, str) else rhs
-    return OPERATORS[claim["op"]](float(lhs), float(claim["factor"] * rhs))
+    """Whether ``lhs op factor * rhs`` holds (each side: a recorded key, or a number)."""
+    lhs, rhs = (claim_side(claim, side, measurements) for side in ("lhs", "rhs"))
+    return OPERATORS[claim["op"]](lhs, float(claim["factor"] * rhs))
 
 
 #: Set (to "1") where a claim that fails must stop the notebook: ``nbtool.py run``, whose
@@ -1563,24 +1570,43 @@ def _this_machine() -> str:
     return f"{gpu}, {usable_cpus()} usable CPUs"
 
 
-def claim(statement: str, lhs: str, op: str, rhs: str | float, *, factor: float = 1.0) -> None:
-    """Check ``lhs op factor * rhs`` on recorded measurements.
+def claim_entry(statement: str, lhs: str | float, op: str, rhs: str | float, factor: float,
+                exact: bool) -> dict:
+    """A claim as its output's metadata keeps it. A side given as a number, measured in place
+    rather than recorded, is kept as ``lhs_value`` (the ``lhs`` itself is then None, so that
+    runs group by the statement) or as the ``rhs`` number; ``exact`` marks a count, size or
+    memory share, which no clock enters (tools/nbtool.py's margin bar is for timings)."""
+    if op not in OPERATORS:
+        raise ValueError(f"op must be one of {sorted(OPERATORS)}")
+    entry = {"statement": statement, "lhs": lhs if isinstance(lhs, str) else None, "op": op,
+             "rhs": rhs if isinstance(rhs, str) or rhs is None else float(rhs), "factor": factor}
+    if not isinstance(lhs, str):  # None: a claim_where that does not apply measured nothing
+        entry["lhs_value"] = None if lhs is None else float(lhs)
+    if exact:
+        entry["exact"] = True
+    return entry
+
+
+def claim(statement: str, lhs: str | float, op: str, rhs: str | float, *, factor: float = 1.0,
+          exact: bool = False) -> None:
+    """Check ``lhs op factor * rhs`` (notebook 00 first): each side a recorded key or a number
+    measured in place, such as ``copies["pinned"].gbps(nbytes)``, so that a value no reader
+    needs printed takes no ``record`` line.
 
     Claims are directions and ratios that should hold on any CUDA GPU. The line shown when one
     holds has no numbers in it, so nbval can compare it across machines. One that fails is
     shown in one line (what was expected, what was measured, on what machine) and the notebook
     goes on; nbval then sees other text, so CI still fails. With ``COLLECTION_STRICT_CLAIMS=1``
-    (committed runs) it raises ``ClaimFailed`` and stops the notebook.
+    (committed runs) it raises ``ClaimFailed`` and stops the notebook. ``exact``: a count, a
+    size or a memory share rather than a time or a rate (see :func:`claim_entry`).
     """
-    if op not in OPERATORS:
-        raise ValueError(f"op must be one of {sorted(OPERATORS)}")
-    entry = {"statement": statement, "lhs": lhs, "op": op, "rhs": rhs, "factor": factor}
+    entry = claim_entry(statement, lhs, op, rhs, factor, exact)
     if evaluate_claim(entry, MEASUREMENTS):
         _emit(f"claim holds: {statement}", {"claim": entry})
         return
-    rhs_value = MEASUREMENTS[rhs]["value"] if isinstance(rhs, str) else rhs
-    measured = (f"{lhs} = {MEASUREMENTS[lhs]['value']:.4g}, {op} {factor:g} x {rhs_value:.4g} "
-                "is false")
+    lhs_value, rhs_value = (claim_side(entry, side, MEASUREMENTS) for side in ("lhs", "rhs"))
+    named = f"{lhs} = {lhs_value:.4g}" if isinstance(lhs, str) else f"{lhs_value:.4g}"
+    measured = f"{named}, {op} {factor:g} x {rhs_value:.4g} is false"
     if os.environ.get(STRICT_CLAIMS) == "1":
         raise ClaimFailed(f"'{statement}' does not hold here: {measured}")
     _emit(f"claim does not hold on this machine ({_this_machine()}): {statement}: {measured}; "
@@ -1594,22 +1620,20 @@ def claim(statement: str, lhs: str, op: str, rhs: str | float, *, factor: float 
 NOT_TESTED = "claim not tested here"
 
 
-def claim_where(statement: str, lhs: str, op: str, rhs: str | float, *, applies: bool,
-                reason: str, factor: float = 1.0) -> None:
+def claim_where(statement: str, lhs: str | float, op: str, rhs: str | float, *, applies: bool,
+                reason: str, factor: float = 1.0, exact: bool = False) -> None:
     """A claim that holds only on some hosts (NVLink, peer access, its own link to the host):
     checked like :func:`claim` where ``applies``, a failure stopping the notebook; elsewhere
     shown as not tested, with ``reason``, and not evaluated. The notebook needs no branch, and
     the reader sees which case this host is. ``reason`` (why it would not apply) is one line.
     """
-    if op not in OPERATORS:
-        raise ValueError(f"op must be one of {sorted(OPERATORS)}")
     if not reason or "): " in reason or "\n" in reason:
         raise ValueError("a host-dependent claim needs a one-line reason without '): '")
     if applies:
-        claim(statement, lhs, op, rhs, factor=factor)
+        claim(statement, lhs, op, rhs, factor=factor, exact=exact)
         return
-    entry = {"statement": statement, "lhs": lhs, "op": op, "rhs": rhs, "factor": factor,
-             "applies": False, "reason": reason}
+    entry = {**claim_entry(statement, lhs, op, rhs, factor, exact), "applies": False,
+             "reason": reason}
     _emit(f"{NOT_TESTED} ({reason}): {statement}", {"claim": entry})
 
 

@@ -4144,3 +4144,27 @@ def test_a_staged_graphed_step_reads_a_buffer_refilled_too_early_but_not_after_i
         torch.cuda.synchronize()
         seen[wait] = graphed.inputs[0].unique().tolist()
     assert seen == {False: [2.0], True: [1.0]}
+
+
+def test_claim_takes_numbers_measured_in_place_and_keeps_them(monkeypatch):
+    shown = []
+    monkeypatch.setattr(helpers, "_emit", lambda text, metadata: shown.append((text, metadata)))
+    monkeypatch.setattr(helpers, "MEASUREMENTS", {"b": {"value": 2.0, "unit": "ms"}})
+    helpers.claim("a number beats a key", 5.0, ">", "b", factor=2)
+    text, metadata = shown[-1]
+    assert text == "claim holds: a number beats a key"
+    assert metadata["claim"]["lhs"] is None and metadata["claim"]["lhs_value"] == 5.0
+    assert helpers.evaluate_claim(metadata["claim"], helpers.MEASUREMENTS)
+    helpers.claim("a count", 3, ">=", 3, exact=True)
+    assert shown[-1][1]["claim"]["exact"] is True
+    monkeypatch.setenv(helpers.STRICT_CLAIMS, "1")
+    with pytest.raises(helpers.ClaimFailed, match="'too small' does not hold here: 1, > 1 x 2"):
+        helpers.claim("too small", 1.0, ">", 2.0)
+
+
+def test_claim_where_that_does_not_apply_takes_no_number(monkeypatch):
+    shown = []
+    monkeypatch.setattr(helpers, "_emit", lambda text, metadata: shown.append((text, metadata)))
+    helpers.claim_where("needs NVLink", None, ">", 1, applies=False, reason="no NVLink here")
+    assert shown[-1][0] == "claim not tested here (no NVLink here): needs NVLink"
+    assert shown[-1][1]["claim"]["lhs_value"] is None

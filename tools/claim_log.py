@@ -45,19 +45,23 @@ def _value(measurements: dict, side) -> tuple[float | None, str | None]:
     if isinstance(side, str):
         entry = measurements.get(side)
         return (None, None) if entry is None else (float(entry["value"]), entry["unit"])
-    return float(side), None
+    return (None, None) if side is None else (float(side), None)
 
 
-def entry(helpers, statement: str, lhs: str, op: str, rhs, factor: float) -> dict:
-    """One claim as the log keeps it: both sides' values and units, and whether it holds."""
+def entry(helpers, statement: str, lhs, op: str, rhs, factor: float,
+          exact: bool = False) -> dict:
+    """One claim as the log keeps it: both sides' values and units, and whether it holds. A side
+    given as a number (measured in place) has no unit, and an ``lhs`` number is logged as None,
+    so that the runs of one claim group by its statement."""
     lhs_value, lhs_unit = _value(helpers.MEASUREMENTS, lhs)
     rhs_value, rhs_unit = _value(helpers.MEASUREMENTS, rhs)
     holds = None
     if lhs_value is not None and rhs_value is not None:
         holds = bool(helpers.OPERATORS[op](lhs_value, factor * rhs_value))
-    return {"statement": statement, "lhs": lhs, "op": op, "rhs": rhs, "factor": factor,
-            "lhs_value": lhs_value, "lhs_unit": lhs_unit, "rhs_value": rhs_value,
-            "rhs_unit": rhs_unit, "holds": holds, "applies": True}
+    line = {"statement": statement, "lhs": lhs if isinstance(lhs, str) else None, "op": op,
+            "rhs": rhs, "factor": factor, "lhs_value": lhs_value, "lhs_unit": lhs_unit,
+            "rhs_value": rhs_value, "rhs_unit": rhs_unit, "holds": holds, "applies": True}
+    return {**line, "exact": True} if exact else line
 
 
 def install(helpers, path: str | os.PathLike, *, record: bool, run: dict) -> None:
@@ -71,20 +75,22 @@ def install(helpers, path: str | os.PathLike, *, record: bool, run: dict) -> Non
         with open(path, "a", encoding="utf-8") as log:
             log.write(json.dumps({**run, **line}) + "\n")
 
-    def logged_claim(statement, lhs, op, rhs, *, factor=1.0):
-        line = entry(helpers, statement, lhs, op, rhs, factor)
+    def logged_claim(statement, lhs, op, rhs, *, factor=1.0, exact=False):
+        line = entry(helpers, statement, lhs, op, rhs, factor, exact)
         append(line)
         if record and line["holds"] is False:
             helpers._emit(f"{FAILED}: {statement}", {"claim": line})
             return None
-        return claim(statement, lhs, op, rhs, factor=factor)
+        return claim(statement, lhs, op, rhs, factor=factor, exact=exact)
 
-    def logged_claim_where(statement, lhs, op, rhs, *, applies, reason, factor=1.0):
+    def logged_claim_where(statement, lhs, op, rhs, *, applies, reason, factor=1.0,
+                           exact=False):
         if not applies:  # claim_where calls helpers.claim (logged above) when it applies
-            append({"statement": statement, "lhs": lhs, "op": op, "rhs": rhs,
-                    "factor": factor, "applies": False, "reason": reason})
+            append({"statement": statement, "lhs": lhs if isinstance(lhs, str) else None,
+                    "op": op, "rhs": rhs, "factor": factor, "applies": False,
+                    "reason": reason})
         return claim_where(statement, lhs, op, rhs, applies=applies, reason=reason,
-                           factor=factor)
+                           factor=factor, exact=exact)
 
     helpers.claim, helpers.claim_where = logged_claim, logged_claim_where
 

@@ -1582,7 +1582,7 @@ def claim_margin(op: str, lhs: float, threshold: float) -> float:
 def is_timing_claim(claim: dict) -> bool:
     """A claim on a measured time or rate (or a share or ratio of them), as opposed to an
     exact one: a count, a size, a yes/no."""
-    if claim["lhs"] in NOT_TIMING or claim["rhs"] in NOT_TIMING:
+    if claim.get("exact") or claim["lhs"] in NOT_TIMING or claim["rhs"] in NOT_TIMING:
         return False
     units = {claim.get("lhs_unit"), claim.get("rhs_unit")} - {None}
     if units & TIMING_UNITS:
@@ -1602,8 +1602,10 @@ def committed_run(path: Path, nb) -> dict | None:
         line = dict(found, applies=found.get("applies", True))
         if line["applies"]:
             for side in ("lhs", "rhs"):
-                key = found[side]
-                value = measured.get(key) if isinstance(key, str) else {"value": key}
+                key = found[side]  # a recorded key, a number, or None: lhs_value holds it
+                value = (measured.get(key) if isinstance(key, str)
+                         else {"value": key if key is not None else found.get(f"{side}_value")})
+                value = None if value is None or value["value"] is None else value
                 line[f"{side}_value"] = None if value is None else float(value["value"])
                 line[f"{side}_unit"] = None if value is None else value.get("unit")
             line["holds"] = True  # a committed run stops at a claim that fails
@@ -1618,7 +1620,7 @@ def runs_from_log(lines: list[dict]) -> list[dict]:
     """Group a claim log's lines (tools/claim_log.py) into runs, one per kernel."""
     runs: dict[str, dict] = {}
     claim_fields = ("statement", "lhs", "op", "rhs", "factor", "lhs_value", "lhs_unit",
-                    "rhs_value", "rhs_unit", "holds", "applies", "reason")
+                    "rhs_value", "rhs_unit", "holds", "applies", "reason", "exact")
     for line in lines:
         run = runs.setdefault(line["run"], {k: v for k, v in line.items()
                                             if k not in claim_fields} | {"claims": []})
