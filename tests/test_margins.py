@@ -131,6 +131,7 @@ NOTEBOOK_CODE = [
     "import sys\nsys.path.insert(0, {root!r})\nimport helpers",
     "helpers.record('a_ms', 2.0, 'ms', 'a')\nhelpers.record('b_ms', 1.0, 'ms', 'b')",
     "helpers.claim('a is slower', 'a_ms', '>', 'b_ms', factor=1.5)",
+    "helpers.claim('three is more', 3.0, '>', 'b_ms', exact=True)",  # a number measured in place
     "helpers.claim('a is faster', 'a_ms', '<', 'b_ms')",
     "helpers.claim_where('only on big hosts', 'a_ms', '<', 10, applies=False, reason='small')",
     "print('the notebook went on')",
@@ -158,6 +159,8 @@ def test_a_margin_run_records_every_claim_and_a_failure_does_not_stop_it(tmp_pat
     assert claims["a is slower"]["holds"] is True
     assert claims["a is slower"]["lhs_value"] == 2.0 and claims["a is slower"]["rhs_value"] == 1.0
     assert claims["a is faster"]["holds"] is False  # recorded, and the run went on
+    in_place = claims["three is more"]
+    assert in_place["lhs"] is None and in_place["lhs_value"] == 3.0 and in_place["exact"]
     assert claims["only on big hosts"]["applies"] is False
     assert nbformat.read(path, as_version=4).cells[0].outputs == []  # the notebook untouched
 
@@ -178,7 +181,7 @@ def test_nbval_with_a_claim_log_records_and_still_fails_the_claim(tmp_path):
     assert [r["notebook"] for r in runs] == ["00_claims.ipynb", "01_claims.ipynb"]  # a kernel each
     for run in runs:
         assert run["source"] == "nbval"
-        assert [c["holds"] for c in run["claims"]] == [True, False]  # then the notebook stops
+        assert [c["holds"] for c in run["claims"]] == [True, True, False]  # then it stops
 
 
 # ---------------------------------------------------------------- the committed file
@@ -238,3 +241,23 @@ def test_the_bar_fails_a_notebook_whose_claim_came_close(tmp_path):
     low = [c for c in nbtool.claim_margins(nbtool.current_runs(path, nb, []))
            if c.timing and c.worst < nbtool.MARGIN_BAR]
     assert [c.statement for c in low] == ["fast"]
+
+
+def test_a_claim_on_numbers_measured_in_place_is_a_run_grouped_by_its_statement(tmp_path):
+    cell = nbformat.v4.new_code_cell("helpers.claim('fewer', faults, '<', 3, exact=True)")
+    claim = {"statement": "fewer", "lhs": None, "lhs_value": 2.0, "op": "<", "rhs": 3.0,
+             "factor": 1.0, "exact": True}
+    cell.outputs = [nbformat.v4.new_output("display_data", data={"text/plain": "x"},
+                                           metadata={nbtool.METADATA_KEY: {"claim": claim}})]
+    nb = nbformat.v4.new_notebook(cells=[cell])
+    nb.metadata[nbtool.METADATA_KEY] = {"provenance": {"gpu": "GPU", "date": "2026-11-28"}}
+    committed = nbtool.committed_run(tmp_path / "00_x.ipynb", nb)
+    line = committed["claims"][0]
+    assert line["lhs_value"] == 2.0 and line["rhs_value"] == 3.0
+    assert not nbtool.is_timing_claim(line)  # exact: a count, whatever its values
+    later = {"run": "r", "usable_cpus": 2, "host_cpus": 16,
+             "claims": [{**claim, "lhs_value": 2.5, "rhs_value": 3.0, "holds": True}]}
+    margins = nbtool.claim_margins([committed, later])
+    assert len(margins) == 1 and margins[0].worst == pytest.approx(3.0 / 2.5)
+    assert not nbtool.is_timing_claim({**line, "exact": False, "lhs_value": 2.0})  # a count
+    assert nbtool.is_timing_claim({**line, "exact": False, "lhs_value": 2.5})  # a ratio
