@@ -195,9 +195,10 @@ class Lab:
 
 
 def copy_collection(root: Path) -> None:
-    """The committed bytes of helpers.py and the notebooks, in ``root``."""
+    """The committed bytes of helpers.py, checkup.py and the notebooks, in ``root``."""
     (root / "notebooks").mkdir(parents=True)
     shutil.copy(nbtool.ROOT / "helpers.py", root)
+    shutil.copy(nbtool.ROOT / "checkup.py", root)
     for path in nbtool.notebook_paths():
         shutil.copyfile(path, root / "notebooks" / path.name)
     (root / OTHER_PYTHON).mkdir()

@@ -437,6 +437,94 @@ def test_execute_stamps_the_hashes_of_the_code(tmp_path, monkeypatch):
     assert stamp["helpers_sha256"] == nbtool.helpers_sha256()
 
 
+# ---------------------------------------------------------------------------- checkup.py
+
+CHECKUP = '''\
+"""A small check-up module beside helpers.py."""
+
+from helpers import reached, unreached
+
+RATIO = 2
+
+
+def check(x):
+    """Reached from the notebook."""
+    return reached(x) * RATIO
+
+
+def other(x):
+    return unreached(x)
+'''
+
+USES_CHECKUP = notebook("import helpers\nimport checkup\n", "checkup.check(1)")
+
+
+@pytest.fixture
+def modules_here(tmp_path, monkeypatch):
+    """A repository root of our own, whose helpers.py and checkup.py the test writes."""
+    monkeypatch.setattr(nbtool, "ROOT", tmp_path)
+
+    def write(helpers: str, checkup: str) -> None:
+        (tmp_path / "helpers.py").write_text(helpers, encoding="utf-8", newline="")
+        (tmp_path / "checkup.py").write_text(checkup, encoding="utf-8", newline="")
+
+    return write
+
+
+def checkup_stamped(nb, helpers: str, checkup: str):
+    nb = stamped(nb, helpers)
+    stamp = nb.metadata[nbtool.METADATA_KEY]["provenance"]
+    stamp["helpers_units"] = nbtool.helpers_reach(nb, helpers, siblings={"checkup": checkup})
+    stamp.update(nbtool.sibling_stamps(nb, {"checkup": checkup}))
+    return nb
+
+
+def test_a_notebook_reaches_the_checkup_units_it_names_and_what_they_use_of_helpers():
+    reach = nbtool.sibling_reach(USES_CHECKUP, "checkup", CHECKUP)
+    assert {"check", "RATIO", "reached"} <= set(reach) and "other" not in reach
+    # check() calls helpers.reached: that is the notebook's reach of helpers.py too
+    helpers = nbtool.helpers_reach(USES_CHECKUP, HELPERS, siblings={"checkup": CHECKUP})
+    assert {"reached", "_inner", "SCALE"} <= set(helpers)
+    # a notebook that does not import checkup has no checkup units, and keeps its stamp's keys
+    assert nbtool.sibling_reach(USES_REACHED, "checkup", CHECKUP) == {}
+    assert nbtool.sibling_stamps(USES_REACHED, {"checkup": CHECKUP}) == {}
+    assert set(nbtool.sibling_stamps(USES_CHECKUP, {"checkup": CHECKUP})) == {"checkup_units"}
+
+
+def test_a_change_to_checkup_py_makes_only_the_notebooks_that_reach_it_stale(modules_here):
+    nb, plain = checkup_stamped(USES_CHECKUP, HELPERS, CHECKUP), stamped(USES_REACHED, HELPERS)
+    modules_here(HELPERS, CHECKUP)
+    assert nbtool.provenance_problems(nb, "09_x.ipynb") == []
+    modules_here(HELPERS, edited(CHECKUP, "return unreached(x)", "return unreached(x) + 1"))
+    assert nbtool.provenance_problems(nb, "09_x.ipynb") == []  # other() is not reached
+    modules_here(HELPERS, edited(CHECKUP, "RATIO = 2", "RATIO = 3"))
+    problems = nbtool.provenance_problems(nb, "09_x.ipynb")
+    assert problems == [problems[0]] and problems[0].startswith(
+        "09_x.ipynb: checkup.py changed where it reaches (RATIO) ")
+    assert nbtool.provenance_problems(plain, "00_x.ipynb") == []
+    # a change to helpers.py that only checkup.py reaches makes the notebook stale too
+    modules_here(edited(HELPERS, "return x * SCALE", "return x * SCALE * 1"), CHECKUP)
+    problems = nbtool.provenance_problems(nb, "09_x.ipynb")
+    assert len(problems) == 1 and "helpers.py changed where it reaches (_inner)" in problems[0]
+    # the margin runs' version follows checkup.py as the stamp does
+    modules_here(HELPERS, CHECKUP)
+    version = nbtool.run_version(nb, HELPERS)
+    modules_here(HELPERS, edited(CHECKUP, "RATIO = 2", "RATIO = 3"))
+    assert nbtool.run_version(nb, HELPERS) != version
+
+
+def test_reach_of_a_checkup_unit_names_the_notebooks_that_import_it(modules_here, tmp_path,
+                                                                     monkeypatch):
+    modules_here(HELPERS, CHECKUP)
+    monkeypatch.setattr(nbtool, "NOTEBOOKS", tmp_path)
+    nbtool.write(USES_CHECKUP, tmp_path / "09_x.ipynb")
+    nbtool.write(USES_REACHED, tmp_path / "00_x.ipynb")
+    assert [p.name for p, *_ in nbtool.unit_reach("RATIO")] == ["09_x.ipynb"]
+    assert [p.name for p, *_ in nbtool.unit_reach("_inner")] == ["00_x.ipynb", "09_x.ipynb"]
+    with pytest.raises(ValueError, match="no top-level 'nothing'"):
+        nbtool.unit_reach("nothing")
+
+
 # ---------------------------------------------------------------------------- prose in outputs
 
 
@@ -579,9 +667,10 @@ def git(repo, *args: str) -> str:
 
 @pytest.fixture
 def collection(tmp_path, monkeypatch):
-    """A git repository holding a copy of helpers.py and the notebooks, as committed here;
-    nbtool works in it."""
+    """A git repository holding a copy of helpers.py, checkup.py and the notebooks, as committed
+    here; nbtool works in it."""
     shutil.copy(nbtool.ROOT / "helpers.py", tmp_path / "helpers.py")
+    shutil.copy(nbtool.ROOT / "checkup.py", tmp_path / "checkup.py")
     shutil.copytree(nbtool.NOTEBOOKS, tmp_path / "notebooks")
     git(tmp_path, "init", "-q")
     git(tmp_path, "add", ".")
@@ -652,5 +741,6 @@ def test_reach_prices_each_notebook_at_its_wall_time_times_the_runs_it_needs():
 
 def test_reach_names_no_such_unit(capsys):
     assert nbtool.main(["reach", "--unit", "format_byte"]) == 1
-    assert "helpers.py has no top-level 'format_byte' (did you mean format_bytes" in \
+    assert ("helpers.py and checkup.py have no top-level 'format_byte' (did you mean "
+            "format_bytes") in \
         capsys.readouterr().err

@@ -7,6 +7,7 @@ format and claims that the recorded measurements do not support.
 
 import copy
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -273,7 +274,7 @@ def test_a_rule_must_cite_a_recorded_measurement(notebook):
 
 def test_ruff_is_clean():
     result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "helpers.py",
-                             "conftest.py", "tests", "tools", "notebooks"],
+                             "checkup.py", "conftest.py", "tests", "tools", "notebooks"],
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -465,7 +466,13 @@ def _one_line_failure(outputs: list) -> str:
     return errors[0].traceback[0]
 
 
-def test_the_set_up_cell_says_in_one_line_where_the_collection_is_not_published(tmp_path):
+#: the set-up cells: every notebook's, and 09 and 13's, which fetch checkup.py too
+SETUP_MODULES = [(), ("checkup.py",)]
+
+
+@pytest.mark.parametrize("modules", SETUP_MODULES)
+def test_the_set_up_cell_says_in_one_line_where_the_collection_is_not_published(tmp_path,
+                                                                                 modules):
     # On Colab a notebook downloads helpers.py from the address in [tool.collection]; where
     # nothing is published there (a fork, a rename), the reader gets one line, not a traceback
     # and IPython's "To exit: use 'exit'" warning.
@@ -474,21 +481,23 @@ def test_the_set_up_cell_says_in_one_line_where_the_collection_is_not_published(
                  "def not_found(url, *args, **kwargs):\n"
                  "    raise urllib.error.HTTPError(url, 404, 'Not Found', None, None)\n"
                  "urllib.request.urlopen = not_found")
-    outputs = _run_in_a_kernel([ON_COLAB, not_found, nbtool.setup_source(conf)], tmp_path)
+    outputs = _run_in_a_kernel([ON_COLAB, not_found, nbtool.setup_source(conf, modules)],
+                               tmp_path)
     message = _one_line_failure(outputs[2])
     assert message.startswith("Set-up failed: cannot download helpers.py from https://")
     assert conf["repository"] in message and "404" in message
     assert "[tool.collection]" in message
 
 
-def test_the_set_up_cell_gives_up_on_a_download_that_stalls(tmp_path):
+@pytest.mark.parametrize("modules", SETUP_MODULES)
+def test_the_set_up_cell_gives_up_on_a_download_that_stalls(tmp_path, modules):
     import socket
 
     with socket.socket() as server:  # accepts the connection, then never answers
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        source = nbtool.setup_source(nbtool.settings())
+        source = nbtool.setup_source(nbtool.settings(), modules)
         timeout = f"timeout={nbtool.SETUP_TIMEOUT_S})"
         assert source.count(timeout) == 1 and source.count("https://raw.githubusercontent.com/")
         source = source.replace(timeout, "timeout=2)").replace(
@@ -501,16 +510,46 @@ def test_the_set_up_cell_gives_up_on_a_download_that_stalls(tmp_path):
     assert waited < 60, waited
 
 
-def test_the_set_up_cell_says_in_one_line_that_helpers_py_is_missing(tmp_path):
-    outputs = _run_in_a_kernel([nbtool.setup_source(nbtool.settings())], tmp_path)
+@pytest.mark.parametrize("modules", SETUP_MODULES)
+def test_the_set_up_cell_says_in_one_line_that_helpers_py_is_missing(tmp_path, modules):
+    outputs = _run_in_a_kernel([nbtool.setup_source(nbtool.settings(), modules)], tmp_path)
     assert _one_line_failure(outputs[0]).startswith("Set-up failed: no helpers.py in this folder")
+
+
+def test_the_set_up_cell_of_a_notebook_with_the_check_up_says_that_checkup_py_is_missing(
+        tmp_path):
+    shutil.copyfile(ROOT / "helpers.py", tmp_path / "helpers.py")
+    outputs = _run_in_a_kernel([nbtool.setup_source(nbtool.settings(), ("checkup.py",))],
+                               tmp_path)
+    assert _one_line_failure(outputs[0]).startswith("Set-up failed: no checkup.py in this folder")
+
+
+def test_only_the_notebooks_that_import_the_check_up_fetch_it():
+    # 09 and 13 import checkup.py: their set-up cells fetch it with helpers.py; every other
+    # set-up cell is the one canonical cell, byte for byte
+    conf = nbtool.settings()
+    fetching = set()
+    for path in nbtool.notebook_paths():
+        nb = nbtool.read(path)
+        modules = nbtool.setup_modules(nb)
+        assert nb.cells[1].source == nbtool.setup_source(conf, modules)
+        if modules:
+            assert modules == ("checkup.py",) and '"checkup.py"' in nb.cells[1].source
+            fetching.add(path.name[:2])
+    assert fetching == {"09", "13"}
+    plain = nbtool.notebook_paths()[0]
+    nb = nbtool.read(plain)
+    nb.cells.append(nbformat.v4.new_code_cell("import checkup"))
+    problems = nbtool.format_problems(plain, nb, conf)
+    assert any("canonical set-up cell" in p for p in problems), problems
 
 
 def test_a_blank_copy_runs_outside_colab(tmp_path):
     # `nbtool.py blank OUT` writes the copies readers predict with; outside Colab they find
     # the helpers.py written beside them and run (here up to the cells that need CUDA).
     written = nbtool.write_blank_copies(tmp_path)
-    assert (tmp_path / "helpers.py").read_bytes() == (ROOT / "helpers.py").read_bytes()
+    for module in ("helpers.py", "checkup.py"):  # 09 and 13 import checkup.py too
+        assert (tmp_path / module).read_bytes() == (ROOT / module).read_bytes()
 
     def without_cuda(path) -> list[str]:  # the code cells before the first that needs CUDA
         cells = []

@@ -16,8 +16,9 @@
     python tools/nbtool.py site                 build the static site from the committed outputs
                                                 (nothing executed) into _site/
     python tools/nbtool.py reach [--unit NAME] [--since REV]   which notebooks the working
-                                                tree's changes (or a change to a helpers.py unit)
-                                                make stale, and the device time to re-run them
+                                                tree's changes (or a change to a unit of
+                                                helpers.py or checkup.py) make stale, and the
+                                                device time to re-run them
     python tools/nbtool.py migrate-hashes [NOTEBOOK ...]   rehash stamps made over the code's
                                                 text over its code (comments and docstrings cut),
                                                 where that text is the one that ran
@@ -313,8 +314,19 @@ def helpers_units(text: str, hashed=runnable_text) -> dict[str, Unit]:
     return units
 
 
-_FROM_HELPERS = re.compile(r"\bfrom\s+helpers\s+import\s+(\([^)]*\)|(?:[^\n;#\\]|\\\n)*)")
-_HELPERS_ALIAS = re.compile(r"\bimport\s+helpers\s+as\s+(\w+)")
+def _from_import(module: str) -> re.Pattern:
+    return re.compile(rf"\bfrom\s+{module}\s+import\s+(\([^)]*\)|(?:[^\n;#\\]|\\\n)*)")
+
+
+def _alias(module: str) -> re.Pattern:
+    return re.compile(rf"\bimport\s+{module}\s+as\s+(\w+)")
+
+
+_FROM_HELPERS, _HELPERS_ALIAS = _from_import("helpers"), _alias("helpers")
+#: Modules beside helpers.py that some notebooks import (checkup.py: 09 and 13). Each is hashed
+#: as helpers.py is, unit by unit, into the stamp's "<module>_units" where a notebook imports it;
+#: the units of helpers.py they reach count as the notebook's own.
+SIBLINGS = ("checkup",)
 
 
 def _hides_names(text: str, module: str) -> bool:
@@ -328,23 +340,28 @@ def _hides_names(text: str, module: str) -> bool:
     return any(re.search(p, text, re.M) for p in patterns)
 
 
-def notebook_helpers_roots(nb, hashed=runnable_text) -> set[str] | None:
-    """The names of helpers.py that a notebook's code cells use, read from their text as hashed
-    (string literals included, so a script the notebook writes to a file counts too; comments
-    not); None when a cell hides which names it uses (``from helpers import *``,
-    ``getattr(helpers, ...)``...): the whole module then."""
+def notebook_helpers_roots(nb, hashed=runnable_text, module: str = "helpers") -> set[str] | None:
+    """The names of helpers.py (``module``.py) that a notebook's code cells use, read from
+    their text as hashed (string literals included, so a script the notebook writes to a file
+    counts too; comments not); None when a cell hides which names it uses (``from helpers
+    import *``, ``getattr(helpers, ...)``...): the whole module then."""
     texts = [hashed(c.source) for c in nb.cells if c.cell_type == "code"]
-    text = "\n".join(texts)
-    if re.search(r"\bfrom\s+helpers\s+import\s+\(?\s*\*", text) \
-            or re.search(r"""(["'])helpers\1""", text):  # sys.modules["helpers"], import_module
+    return _module_roots("\n".join(texts), module)
+
+
+def _module_roots(text: str, module: str) -> set[str] | None:
+    """The names of ``module`` that code ``text`` uses (None: it hides which)."""
+    m = re.escape(module)
+    if re.search(rf"\bfrom\s+{m}\s+import\s+\(?\s*\*", text) \
+            or re.search(rf"""(["']){m}\1""", text):  # sys.modules["helpers"], import_module
         return None
-    modules = {"helpers"} | set(_HELPERS_ALIAS.findall(text))
-    if any(_hides_names(text, module) for module in modules):
+    modules = {module} | set(_alias(m).findall(text))
+    if any(_hides_names(text, name) for name in modules):
         return None
     roots = set()
-    for module in modules:
-        roots.update(re.findall(rf"\b{re.escape(module)}\.(\w+)", text))
-    for imported in _FROM_HELPERS.findall(text):
+    for name in modules:
+        roots.update(re.findall(rf"\b{re.escape(name)}\.(\w+)", text))
+    for imported in _from_import(m).findall(text):
         imported = re.sub(r"#[^\n]*", "", imported).strip("()")
         for item in imported.replace("\\\n", " ").split(","):
             if item.split():
@@ -352,32 +369,85 @@ def notebook_helpers_roots(nb, hashed=runnable_text) -> set[str] | None:
     return roots
 
 
-def helpers_reach(nb, text: str | None = None, hashed=runnable_text) -> dict[str, str]:
-    """The units of helpers.py (``text``, default: the current file) that a notebook's code can
-    reach, each with the hash of its code: what its outputs may depend on."""
-    if text is None:
-        text = (ROOT / "helpers.py").read_bytes().decode("utf-8")
-    units = helpers_units(text, hashed)
-    roots = notebook_helpers_roots(nb, hashed)
+def imports_module(nb, module: str) -> bool:
+    """Whether a code cell imports ``module`` (``import checkup``, ``from checkup import``)."""
+    pattern = rf"^\s*(?:import\s+{module}\b|from\s+{module}\s+import\b)"
+    return any(re.search(pattern, c.source, re.M) for c in nb.cells if c.cell_type == "code")
+
+
+def module_text(module: str) -> str:
+    """``module``.py of the repository, as text ("" where there is none)."""
+    path = ROOT / f"{module}.py"
+    return path.read_bytes().decode("utf-8") if path.exists() else ""
+
+
+def _reached(units: dict[str, Unit], roots: set[str] | None) -> set[str]:
+    """The keys of ``units`` that ``roots`` reach (None: all), and the always-units."""
     if roots is None:
-        reached = set(units)
-    else:
-        by_name = {}
-        for unit in units.values():
-            for name in unit.names:
-                by_name.setdefault(name, set()).add(unit.key)
-        todo = [k for root in roots for k in by_name.get(root, ())]
-        todo += [unit.key for unit in units.values() if unit.always]
-        reached = set()
-        while todo:
-            key = todo.pop()
-            if key not in reached:
-                reached.add(key)
-                todo.extend(units[key].deps - reached)
+        return set(units)
+    by_name = {}
+    for unit in units.values():
+        for name in unit.names:
+            by_name.setdefault(name, set()).add(unit.key)
+    todo = [k for root in roots for k in by_name.get(root, ())]
+    todo += [unit.key for unit in units.values() if unit.always]
+    reached = set()
+    while todo:
+        key = todo.pop()
+        if key not in reached:
+            reached.add(key)
+            todo.extend(units[key].deps - reached)
+    return reached
+
+
+def _hashed_reach(units: dict[str, Unit], reached: set[str]) -> dict[str, str]:
     reach = {key: units[key].sha for key in sorted(reached)}
     order = [key for key in units if key in reached and units[key].ordered]  # file order
     reach[ORDER_KEY] = hashlib.sha256("\n".join(order).encode()).hexdigest()[:16]
     return reach
+
+
+def sibling_reach(nb, module: str, text: str | None = None,
+                  hashed=runnable_text) -> dict[str, str]:
+    """The units of ``module``.py (``text``, default: the current file) that a notebook's code
+    can reach, each with the hash of its code; empty where the notebook does not import it."""
+    if not imports_module(nb, module):
+        return {}
+    units = helpers_units(module_text(module) if text is None else text, hashed)
+    return _hashed_reach(units, _reached(units, notebook_helpers_roots(nb, hashed, module)))
+
+
+def _sibling_helpers_roots(nb, siblings: dict[str, str] | None,
+                           hashed=runnable_text) -> set[str] | None:
+    """The names of helpers.py that the reached units of the modules beside it use (None: all
+    of it); ``siblings``: module -> its text (default: the current files)."""
+    roots: set[str] = set()
+    for module in SIBLINGS:
+        if not imports_module(nb, module):
+            continue
+        text = (siblings or {}).get(module)
+        units = helpers_units(module_text(module) if text is None else text, hashed)
+        reached = _reached(units, notebook_helpers_roots(nb, hashed, module))
+        used = _module_roots("\n".join(units[key].hashed for key in sorted(reached)), "helpers")
+        if used is None:
+            return None
+        roots |= used
+    return roots
+
+
+def helpers_reach(nb, text: str | None = None, hashed=runnable_text,
+                  siblings: dict[str, str] | None = None) -> dict[str, str]:
+    """The units of helpers.py (``text``, default: the current file) that a notebook's code can
+    reach, each with the hash of its code: what its outputs may depend on. The notebook's code
+    reaches them directly, or through a module beside helpers.py that it imports (checkup.py;
+    ``siblings``: module -> its text, default: the current files)."""
+    if text is None:
+        text = (ROOT / "helpers.py").read_bytes().decode("utf-8")
+    units = helpers_units(text, hashed)
+    roots = notebook_helpers_roots(nb, hashed)
+    through = _sibling_helpers_roots(nb, siblings, hashed)
+    roots = None if roots is None or through is None else roots | through
+    return _hashed_reach(units, _reached(units, roots))
 
 
 def _reach_changes(stamped: dict, now: dict, shown: int = 12) -> str:
@@ -389,20 +459,43 @@ def _reach_changes(stamped: dict, now: dict, shown: int = 12) -> str:
     return ", ".join(changes[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
-def _stale_parts(nb, stamp: dict, helpers_text: str | None = None) -> list[str]:
-    """What changed since ``stamp`` was made: "code cells", and the units of helpers.py."""
+def sibling_stamps(nb, siblings: dict[str, str] | None = None,
+                   hashed=runnable_text) -> dict[str, dict[str, str]]:
+    """The stamp's "<module>_units" of each module beside helpers.py that the notebook imports
+    (``siblings``: module -> its text, default: the current files)."""
+    found = {}
+    for module in SIBLINGS:
+        reach = sibling_reach(nb, module, (siblings or {}).get(module), hashed)
+        if reach:
+            found[f"{module}_units"] = reach
+    return found
+
+
+def _stale_parts(nb, stamp: dict, helpers_text: str | None = None,
+                 siblings: dict[str, str] | None = None) -> list[str]:
+    """What changed since ``stamp`` was made: "code cells", the units of helpers.py, and those of
+    each module beside it that the notebook imports (checkup.py)."""
     parts = []
     if stamp.get("code_sha256") != code_sha256(nb):
         parts.append("code cells")
-    stamped, now = stamp.get("helpers_units", {}), helpers_reach(nb, helpers_text)
+    stamped, now = stamp.get("helpers_units", {}), helpers_reach(nb, helpers_text,
+                                                                 siblings=siblings)
     if stamped != now:
         parts.append(f"helpers.py ({_reach_changes(stamped, now)})")
+    now_siblings = sibling_stamps(nb, siblings)
+    for module in SIBLINGS:
+        key = f"{module}_units"
+        stamped, now = stamp.get(key, {}), now_siblings.get(key, {})
+        if stamped != now:
+            parts.append(f"{module}.py ({_reach_changes(stamped, now)})")
     return parts
 
 
-def provenance_problems(nb, name: str, helpers_text: str | None = None) -> list[str]:
+def provenance_problems(nb, name: str, helpers_text: str | None = None,
+                        siblings: dict[str, str] | None = None) -> list[str]:
     """Why the committed outputs may not come from the committed code (empty list: they do);
-    ``helpers_text`` is helpers.py (default: the current file)."""
+    ``helpers_text`` is helpers.py, ``siblings`` the modules beside it, by name (default: the
+    current files)."""
     stamp = nb.metadata.get(METADATA_KEY, {}).get("provenance")
     rerun = f"re-run it on a GPU: python tools/nbtool.py run notebooks/{name}"
     if not stamp:
@@ -410,8 +503,8 @@ def provenance_problems(nb, name: str, helpers_text: str | None = None) -> list[
     if stamp.get("hash_scheme") != HASH_SCHEME:
         return [f"{name}: its stamp hashes the code as written, comments included: "
                 f"python tools/nbtool.py migrate-hashes notebooks/{name}, or {rerun}"]
-    problems = prose_problems(nb, name, helpers_text)
-    for part in _stale_parts(nb, stamp, helpers_text):
+    problems = prose_problems(nb, name, helpers_text, siblings)
+    for part in _stale_parts(nb, stamp, helpers_text, siblings):
         if part == "code cells":
             problems.append(f"{name}: its code cells changed since its outputs were made; {rerun}")
         else:
@@ -457,7 +550,8 @@ def _defined_names(source: str) -> set[str]:
         if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
 
 
-def prose_problems(nb, name: str, helpers_text: str | None = None) -> list[str]:
+def prose_problems(nb, name: str, helpers_text: str | None = None,
+                   siblings: dict[str, str] | None = None) -> list[str]:
     """Where a notebook's outputs could change with what the hashes leave out (none: they
     cannot): its cells or the helpers it reaches reading docstrings or our source, or an output
     quoting a source line."""
@@ -468,12 +562,18 @@ def prose_problems(nb, name: str, helpers_text: str | None = None) -> list[str]:
     own |= {n for _, c in code for n in _defined_names(c.source)}
     problems = [f"{name}, cell {i}: reads {', '.join(found)}, which the hashes leave out"
                 for i, c in code if (found := prose_reads(c.source, own))]
-    units = helpers_units(helpers_text)
-    names = {n for unit in units.values() for n in unit.names}
-    for key in helpers_reach(nb, helpers_text):
-        if key in units and (found := prose_reads(units[key].source, names)):
-            problems.append(f"{name}: helpers.py's {key} reads {', '.join(found)}, which the "
-                            "hashes leave out")
+    reached = [("helpers", helpers_units(helpers_text),
+                helpers_reach(nb, helpers_text, siblings=siblings))]
+    for module in SIBLINGS:
+        text = (siblings or {}).get(module)
+        reached.append((module, helpers_units(module_text(module) if text is None else text),
+                        sibling_reach(nb, module, text)))
+    for module, units, reach in reached:
+        names = {n for unit in units.values() for n in unit.names}
+        for key in reach:
+            if key in units and (found := prose_reads(units[key].source, names)):
+                problems.append(f"{name}: {module}.py's {key} reads {', '.join(found)}, which "
+                                "the hashes leave out")
     for i, c in code:
         for output in c.get("outputs", []):
             text = json.dumps(output.get("traceback", [])) + json.dumps(output.get("text", "")) \
@@ -509,7 +609,7 @@ def migrate_hashes(path: Path, runs: list[dict]) -> str:
     for run in moved:
         run["version"] = new
     stamp.update(code_sha256=code_sha256(nb), helpers_units=helpers_reach(nb),
-                 hash_scheme=HASH_SCHEME)
+                 hash_scheme=HASH_SCHEME, **sibling_stamps(nb))
     write(nb, path)
     return f"{name}: stamp and {len(moved)} margin run(s) rehashed over its code"
 
@@ -556,6 +656,7 @@ def edit_reach(rev: str = "HEAD") -> tuple[list, list]:
     """The notebooks that the working tree's changes since ``rev`` make stale (current at
     ``rev``, not now), with what changed; and those stale already at ``rev``."""
     helpers_then = git_show(rev, "helpers.py")
+    siblings_then = {module: git_show(rev, f"{module}.py") or "" for module in SIBLINGS}
     made, already = [], []
     for path in notebook_paths():
         nb = read(path)
@@ -566,7 +667,7 @@ def edit_reach(rev: str = "HEAD") -> tuple[list, list]:
         then = None if committed is None else nbformat.reads(committed, as_version=4)
         why = "; ".join(_stale_parts(nb, stamp)) or "no current stamp"
         if then is None or helpers_then is None \
-                or provenance_problems(then, path.name, helpers_then):
+                or provenance_problems(then, path.name, helpers_then, siblings_then):
             already.append((path, nb, why))
         else:
             made.append((path, nb, why))
@@ -574,18 +675,25 @@ def edit_reach(rev: str = "HEAD") -> tuple[list, list]:
 
 
 def unit_reach(name: str) -> list[tuple[Path, object, str]]:
-    """The notebooks that reach helpers.py's unit ``name`` (or ``name #2``...): a change to its
-    code makes them stale."""
-    units = helpers_units((ROOT / "helpers.py").read_text(encoding="utf-8"))
-    keys = {key for key in units if key == name or key.startswith(f"{name} #")}
-    if not keys:
-        near = difflib.get_close_matches(name, list(units), n=3)
-        raise ValueError(f"helpers.py has no top-level {name!r}"
+    """The notebooks that reach the unit ``name`` (or ``name #2``...) of helpers.py or of a
+    module beside it (checkup.py): a change to its code makes them stale."""
+    keys = {}
+    for module in ("helpers", *SIBLINGS):
+        units = helpers_units(module_text(module))
+        keys[module] = {key for key in units if key == name or key.startswith(f"{name} #")}
+    if not any(keys.values()):
+        every = [key for module in ("helpers", *SIBLINGS)
+                 for key in helpers_units(module_text(module))]
+        near = difflib.get_close_matches(name, every, n=3)
+        files = " and ".join(f"{module}.py" for module in ("helpers", *SIBLINGS))
+        raise ValueError(f"{files} have no top-level {name!r}"
                          + (f" (did you mean {', '.join(near)}?)" if near else ""))
     found = []
     for path in notebook_paths():
         nb = read(path)
-        if keys & helpers_reach(nb).keys():
+        reached = (keys["helpers"] & helpers_reach(nb).keys()) or any(
+            keys[module] & sibling_reach(nb, module).keys() for module in SIBLINGS)
+        if reached:
             found.append((path, nb, f"reaches {name}"))
     return found
 
@@ -599,7 +707,10 @@ def _reach(units: list[str], rev: str) -> int:
             print(error, file=sys.stderr)
             return 1
         for name, found in reached.items():
-            print(f"A change to the code of helpers.py's {name} makes {len(found)} notebook(s) "
+            owners = [f"{module}.py's" for module in ("helpers", *SIBLINGS)
+                      if name in helpers_units(module_text(module))]
+            print(f"A change to the code of {' or '.join(owners) or 'the'} {name} makes "
+                  f"{len(found)} notebook(s) "
                   "stale (a comment or docstring: none):")
             print(price_table(found))
         return 0
@@ -698,6 +809,7 @@ def execute(path: Path, timeout: int = 600) -> dict:
         "process_tree_peak_mib": None if tree_peak is None else round(tree_peak),
         "hash_scheme": HASH_SCHEME, "code_sha256": code_sha256(nb),
         "helpers_sha256": helpers_sha256(), "helpers_units": helpers_reach(nb),
+        **sibling_stamps(nb),
     }
     fix(nb, path, settings())
     write(nb, path)
@@ -752,9 +864,11 @@ def fold_answers_in_words(nb) -> None:
 
 def write_blank_copies(out: Path) -> list[Path]:
     """Each notebook without outputs in ``out``/notebooks (what the run branch holds), and
-    helpers.py in ``out``, where their set-up cells find it outside Colab."""
+    helpers.py and the modules beside it (checkup.py) in ``out``, where their set-up cells find
+    them outside Colab."""
     (out / "notebooks").mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(ROOT / "helpers.py", out / "helpers.py")
+    for name in ("helpers", *SIBLINGS):
+        shutil.copyfile(ROOT / f"{name}.py", out / f"{name}.py")
     written = []
     for path in notebook_paths():
         write(blank_notebook(read(path)), out / "notebooks" / path.name)
@@ -777,7 +891,17 @@ def header_source(name: str, nb, conf: dict) -> str:
 SETUP_TIMEOUT_S = 30  # the set-up cell's download: this long without an answer is a failure
 
 
-def setup_source(conf: dict) -> str:
+def setup_modules(nb) -> tuple[str, ...]:
+    """The files beside helpers.py that a notebook's set-up cell fetches too: checkup.py for a
+    notebook that imports checkup (09 and 13); none for the others."""
+    return tuple(f"{module}.py" for module in SIBLINGS if imports_module(nb, module))
+
+
+def setup_source(conf: dict, modules: tuple[str, ...] = ()) -> str:
+    """The set-up cell: helpers.py found (on Colab: downloaded), and ``modules`` beside it (the
+    files of ``setup_modules``) found and downloaded the same way."""
+    if modules:
+        return _setup_source_with(conf, modules)
     return f'''\
 # Set-up: find helpers.py (on Colab: download it, and install what Colab lacks, never torch).
 import os
@@ -806,6 +930,45 @@ if "google.colab" in sys.modules and not os.path.exists("helpers.py"):
 if not any(os.path.exists(os.path.join(folder, "helpers.py")) for folder in (".", "..")):
     raise SetUpFailed("no helpers.py in this folder or the one above: open the notebook in a "
                       "clone of the collection, or in a copy that `nbtool.py blank` wrote")
+sys.path.insert(0, ".." if os.path.exists("../helpers.py") else ".")
+import helpers  # noqa: E402
+
+helpers.colab_setup()'''
+
+
+def _setup_source_with(conf: dict, modules: tuple[str, ...]) -> str:
+    """``setup_source`` for a notebook that imports ``modules`` too: one loop fetches each."""
+    files = ", ".join(f'"{name}"' for name in ("helpers.py", *modules))
+    return f'''\
+# Set-up: find helpers.py (on Colab: download it, and install what Colab lacks, never torch),
+# and {" and ".join(modules)} beside it, which this notebook imports too.
+import os
+import sys
+
+
+class SetUpFailed(Exception):
+    def _render_traceback_(self):  # Jupyter shows this one line, not a traceback
+        return [f"Set-up failed: {{self}}"]
+
+
+for module in ({files}):
+    if "google.colab" in sys.modules and not os.path.exists(module):
+        import urllib.request
+
+        repository = "{conf['repository']}"  # where the collection is published
+        url = f"https://raw.githubusercontent.com/{{repository}}/{conf['branch']}/{{module}}"
+        try:  # {SETUP_TIMEOUT_S} s with no answer (to connect, or between bytes) fails, not hangs
+            with urllib.request.urlopen(url, timeout={SETUP_TIMEOUT_S}) as answer:
+                downloaded = answer.read()
+        except OSError as error:  # HTTP 404 where the collection is not published at that address
+            raise SetUpFailed(f"cannot download {{module}} from {{url}} ({{error}}): is the "
+                              "collection published there? ([tool.collection] in pyproject.toml)"
+                              ) from None
+        with open(module, "wb") as file:
+            file.write(downloaded)
+    if not any(os.path.exists(os.path.join(folder, module)) for folder in (".", "..")):
+        raise SetUpFailed(f"no {{module}} in this folder or the one above: open the notebook in "
+                          "a clone of the collection, or in a copy that `nbtool.py blank` wrote")
 sys.path.insert(0, ".." if os.path.exists("../helpers.py") else ".")
 import helpers  # noqa: E402
 
@@ -1242,7 +1405,8 @@ def format_problems(path: Path, nb, conf: dict) -> list[str]:
             name, nb, conf):
         problems.append(f"{name}: the first cell should be the canonical header with the "
                         "Colab badge")
-    if len(cells) < 2 or not is_setup_cell(cells[1]) or cells[1].source != setup_source(conf) \
+    setup = setup_source(conf, setup_modules(nb))  # checkup.py too, for a notebook importing it
+    if len(cells) < 2 or not is_setup_cell(cells[1]) or cells[1].source != setup \
             or CPU_OK_TAG not in cells[1].metadata.get("tags", []):
         problems.append(f"{name}: the second cell should be the canonical set-up cell, tagged "
                         f"{SETUP_TAG} and {CPU_OK_TAG}")
@@ -1266,10 +1430,11 @@ def fix(nb, path: Path, conf: dict) -> None:
     for i in answer_cells(nb):
         nb.cells[i].metadata.setdefault("jupyter", {})["source_hidden"] = True
         nb.cells[i].source = labelled(nb.cells[i].source, ANSWER_LABEL)
+    setup = setup_source(conf, setup_modules(nb))
     if len(nb.cells) > 1 and is_setup_cell(nb.cells[1]):
-        nb.cells[1].source = setup_source(conf)
+        nb.cells[1].source = setup
     else:
-        nb.cells.insert(1, nbformat.v4.new_code_cell(setup_source(conf)))
+        nb.cells.insert(1, nbformat.v4.new_code_cell(setup))
     tags = nb.cells[1].metadata.setdefault("tags", [])
     for tag in (SETUP_TAG, CPU_OK_TAG):
         if tag not in tags:
@@ -1562,8 +1727,12 @@ MARGINS_START, MARGINS_END = "<!-- margins:start -->", "<!-- margins:end -->"
 
 
 def run_version(nb, helpers_text: str | None = None, hashed=runnable_text) -> str:
-    """What a margin run depends on: the notebook's code and what of helpers.py it reaches."""
+    """What a margin run depends on: the notebook's code and what of helpers.py it reaches
+    (and of checkup.py, where it imports that)."""
     reach = json.dumps(helpers_reach(nb, helpers_text, hashed), sort_keys=True)
+    siblings = sibling_stamps(nb, hashed=hashed)
+    if siblings:  # a notebook that imports no module beside helpers.py keeps its version
+        reach += "\n" + json.dumps(siblings, sort_keys=True)
     return hashlib.sha256(f"{code_sha256(nb, hashed)}\n{reach}".encode()).hexdigest()[:16]
 
 
@@ -2190,7 +2359,7 @@ def main(argv: list[str] | None = None) -> int:
     reach = sub.add_parser("reach", help="which notebooks the uncommitted changes (or a change "
                            "to a helpers.py unit) make stale, and the device time to re-run them")
     reach.add_argument("--unit", action="append", default=[], metavar="NAME",
-                       help="a top-level name of helpers.py (repeatable)")
+                       help="a top-level name of helpers.py or checkup.py (repeatable)")
     reach.add_argument("--since", default="HEAD", metavar="REV",
                        help="compare the working tree with this revision (default: HEAD)")
     jupyter = sub.add_parser("lab", help="JupyterLab that saves a notebook it only opened as it "
