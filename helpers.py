@@ -2760,6 +2760,11 @@ def _weight_map(index: str | os.PathLike) -> dict[str, str]:
     return weight_map
 
 
+def _shard_path(directory: str, file: str) -> str:
+    """Where an index's shard name points: "a" and "./a" are one file, read once."""
+    return os.path.normpath(os.path.join(directory, file))
+
+
 def _checkpoint_sources(source) -> tuple[list[str], dict[str, str] | None]:
     """``checkpoint_files(source)``, and the index's weight_map where ``source`` is one."""
     named = isinstance(source, (str, os.PathLike))
@@ -2769,7 +2774,7 @@ def _checkpoint_sources(source) -> tuple[list[str], dict[str, str] | None]:
     elif os.fspath(source).endswith(".json"):
         weight_map = _weight_map(source)
         directory = os.path.dirname(os.fspath(source))
-        files = [os.path.join(directory, name) for name in dict.fromkeys(weight_map.values())]
+        files = list(dict.fromkeys(_shard_path(directory, name) for name in weight_map.values()))
     else:
         files = [os.fspath(source)]
     missing = [f for f in files if not os.path.isfile(f)]
@@ -2801,13 +2806,16 @@ def _merged(layouts: list[CheckpointLayout]) -> CheckpointLayout:
     list, numbered on, their tensors in one dict."""
     stored: list[_Stored] = []
     structure: dict = {}
+    shard_of: dict[str, str] = {}
     for layout in layouts:
         if not isinstance(layout.structure, dict):
             raise ValueError(f"{layout.files[0]} is no {{name: tensor}} dict: not a shard")
         base = len(stored)  # the number of this file's first storage
         for name, value in layout.structure.items():
             if name in structure:
-                raise ValueError(f"{name!r} is in two shards (the second: {layout.files[0]})")
+                raise ValueError(f"{name!r} is in two shards: {shard_of[name]} and "
+                                 f"{layout.files[0]}")
+            shard_of[name] = layout.files[0]
             structure[name] = _map_placed(
                 lambda p, base=base: replace(p, stored=p.stored + base), value)
         stored += layout.stored
@@ -2843,13 +2851,15 @@ def _check_index_against_shards(index, weight_map: dict[str, str],
       come from different saves. Pass the list of shard files to load them without an index.
     """
     directory = os.path.dirname(os.fspath(index))
-    as_named = {os.path.join(directory, file): file for file in weight_map.values()}
+    as_named: dict[str, str] = {}  # a shard's path: the name the index first gives it
+    for file in weight_map.values():
+        as_named.setdefault(_shard_path(directory, file), file)
     held = _shard_of_each_tensor(layouts)
     for name, file in weight_map.items():
         if name not in held:
             raise ValueError(f"{index} names tensor {name!r} in shard {file}, but no shard holds"
                              f" it (the shards: {', '.join(as_named.values())})")
-        if held[name] != os.path.join(directory, file):
+        if held[name] != _shard_path(directory, file):
             raise ValueError(f"{index} names tensor {name!r} in shard {file}, but shard "
                              f"{as_named[held[name]]} holds it")
     for name, path in held.items():

@@ -196,3 +196,21 @@ def test_an_index_that_disagrees_with_its_shards_is_refused(tmp_path, loader, ca
     index, weight_map, _ = _shards(tmp_path, torch_files)
     spoil, words = SPOILT[case]
     _refused(_index(index, spoil(weight_map)), loader, *words)
+
+
+@pytest.mark.parametrize("torch_files", [False, True], ids=["safetensors", "torch"])
+def test_an_index_that_names_a_shard_two_ways_reads_it_once(tmp_path, loader, torch_files):
+    index, weight_map, union = _shards(tmp_path, torch_files)
+    first = weight_map["a"]
+    loaded = loader.load(_index(index, {**weight_map, "b": f"./{first}"}))  # "x" and "./x"
+    assert sorted(loaded) == sorted(union)
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in union.items())
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_both(tmp_path):
+    first, second = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
+    save_file({"a": torch.ones(2)}, str(first))
+    save_file({"a": torch.zeros(2)}, str(second))
+    with pytest.raises(ValueError, match="'a' is in two shards") as refused:
+        helpers.checkpoint_layout([first, second])
+    assert str(first) in str(refused.value) and str(second) in str(refused.value)
