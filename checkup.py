@@ -444,14 +444,20 @@ class CheckupReport:
 COMPREHENSIONS = ("<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>")
 
 
+#: files whose frames are the kit's, not the reader's: this module, helpers.py (named through a
+#: function of it: tools/nbtool.py reads a quoted module name as a use of all of that module)
+#: and torch's profiler
+KIT_FILES = frozenset({Path(__file__).stem, Path(format_bytes.__code__.co_filename).stem,
+                       "profiler"})
+
+
 def _is_library_frame(name: str) -> bool:
     if name.startswith(("<built-in", "<frozen ")):
         return True
     path = name.split("(")[0]
     stem = Path(path).stem
     return (path.startswith("torch/") or "/torch/" in path or "site-packages" in path
-            or "dist-packages" in path or stem in ("helpers", "checkup", "profiler")
-            or stem in sys.stdlib_module_names)
+            or "dist-packages" in path or stem in KIT_FILES or stem in sys.stdlib_module_names)
 
 
 def _callee_label(frame: str) -> str:

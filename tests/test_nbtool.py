@@ -744,3 +744,13 @@ def test_reach_names_no_such_unit(capsys):
     assert ("helpers.py and checkup.py have no top-level 'format_byte' (did you mean "
             "format_bytes") in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["09_training_step.ipynb", "13_host_bound_steps.ipynb"])
+def test_a_notebook_reaches_only_the_helpers_its_checkup_code_uses(name):
+    # A quoted "helpers" in checkup.py once made it reach all of helpers.py, so that a change to
+    # the checkpoint loader made 09 and 13 stale
+    nb = nbformat.read(nbtool.NOTEBOOKS / name, as_version=4)
+    through = nbtool._sibling_helpers_roots(nb, None)
+    assert through is not None and "format_bytes" in through
+    assert "_merged" not in nbtool.helpers_reach(nb)
