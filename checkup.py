@@ -5,8 +5,10 @@ each cause it finds, the step time its fix would save (a replay of the profiled 
 it) and what to change. ``analyze_checkup_trace`` does the same from a trace alone.
 
 Times are in milliseconds throughout; the profiler's trace gives microseconds, converted where
-it is read. The profiler's lanes (``helpers.parse_chrome_trace``, ``helpers.Activity``) and the
-rest of the measuring kit stay in helpers.py, which does not import this module.
+it is read. The one exception is ``CheckupReport.step_window``, which hands the timeline plots
+``Activity`` lanes in microseconds, as helpers.py keeps them. The profiler's lanes
+(``helpers.parse_chrome_trace``, ``helpers.Activity``) and the rest of the measuring kit stay
+in helpers.py, which does not import this module.
 """
 
 from __future__ import annotations
@@ -24,13 +26,11 @@ import warnings
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from functools import cache
 from pathlib import Path
 
 import torch
 
 from helpers import (
-    _END,
     COPY_KINDS,
     Activity,
     _activity_kind,
@@ -44,6 +44,8 @@ from helpers import (
     require_cuda,
     time_cuda,
 )
+
+# The marks the check-up puts in the trace, and the CUDA calls it reads there
 
 STEP_MARK, NEXT_MARK = "checkup: step", "checkup: next batch"
 #: the release of a step's batch: a loader's shared memory, unmapped on this thread
@@ -60,6 +62,8 @@ LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKe
 #: correlation id (notebook 13)
 GRAPH_LAUNCH_CALLS = frozenset({"cudaGraphLaunch", "cuGraphLaunch"})
 
+
+# The kinds of finding, and what each asks the reader to change
 
 class Kind(enum.StrEnum):
     """What a finding says makes the step wait (notebook 09); each has its advice (``ADVICE``).
@@ -139,22 +143,29 @@ WAITS_ON = {
     Kind.HOST_BOUND: "the GPU, for Python to launch its kernels",
     Kind.HOST_WAITS: "the host, for the GPU, at",
 }
-#: data_wait where the batch source alone keeps ahead of the step: the wait is next()'s own
-#: work on the step's thread (taking the batch from the workers), not the loader's pace
+#: data_wait where the batch source alone keeps ahead of the step and its batches are copied
+#: from pageable memory: the wait is next()'s own work on the step's thread (taking the batch
+#: from the workers), not the loader's pace
 KEEPS_UP_ADVICE = ("the loader keeps up, but next() takes each batch from the workers on this "
                    "thread, and its shared memory is freed here after the step: "
                    "DataLoader(pin_memory=True) does both on its pin thread", ("06", "09"))
+#: data_wait where the source keeps ahead and no batch is copied from pageable memory (a pin
+#: thread has them ready): what is left costs the GPU only while the host waits for it
 HANDOVER_ADVICE = ("the loader keeps up: what is left is next()'s own hand-over on this thread, "
                    "which the GPU stops waiting for once the host runs ahead of it (no wait for "
                    "the GPU every step)", ("05", "09"))
+
+# Thresholds and fallbacks of the analysis (times in ms)
+
 PER_STEP = 0.5  # a cause seen in at least every other step is part of the step
 #: a finding saves at least this share of the step, or this many milliseconds
 MIN_SAVING_SHARE, MIN_SAVING_MS = 0.03, 0.05
 PACED_COPY_BYTES, SLOW_COPY_SHARE = 8 << 20, 0.8  # a copy the profiler slowed (_pace_slow_copies)
 STEADY_RATIO = 1.25  # timed and profiled steps (or the first profiled step and the rest) agree
 BACK_TO_BACK_MS = 0.001  # a device op this close behind the one before it on its stream queued
-CROSS_STREAM_MS = 0.005  # a device op that starts this long after its launch and its stream
-# allowed it waited for another stream (an event, cudaStreamWaitEvent)
+#: a device op that starts this long after its launch and its stream allowed it waited for
+#: another stream (an event, cudaStreamWaitEvent)
+CROSS_STREAM_MS = 0.005
 #: times this close are the same time: the trace's microseconds, read in milliseconds, round
 #: (1 us + 4 us can come out a hair above 5 us), and a threshold must not flip on that
 SAME_MS = 1e-9
@@ -164,8 +175,11 @@ HOST_AHEAD = 0.5  # latent costs are priced with the host's time at this share o
 LATER_RATIO = 1.5  # a latent cause costs at least this much more once the host keeps ahead
 
 
+# The report: findings, latent habits, and the table and summary a reader prints
+
 def _notebooks(numbers: tuple[str, ...]) -> str:
-    """"(notebook 09)", "(notebooks 05 and 09)", "(notebooks 00, 05 and 09)"."""
+    """The notebooks as the summary cites them: (notebook 09), (notebooks 05 and 09),
+    (notebooks 00, 05 and 09)."""
     if len(numbers) == 1:
         return f"(notebook {numbers[0]})"
     return f"(notebooks {', '.join(numbers[:-1])} and {numbers[-1]})"
@@ -197,7 +211,7 @@ class Latent:
     (notebook 09)."""
 
     kind: Kind
-    seen: str
+    seen: str  # what was measured, per step
     cost_ms: float  # now, per step
     later_ms: float  # once the host is not the bottleneck, per step
     advice: str
@@ -217,7 +231,9 @@ class CheckupReport:
     steps: int
     step_ms: float | None  # unprofiled: CUDA events from the end of the first timed step on
     profiled_step_ms: float  # under the profiler: one step's period on the GPU
-    gpu_busy: float  # kernel time of a step / the unprofiled step time
+    #: the device's time outside host<->device copies (kernels, memsets, device-to-device
+    #: copies) in a profiled step / ``reference_ms``, at most 1
+    gpu_busy: float
     h2d_pageable: tuple[float, float]  # (copies, bytes) per step
     h2d_pinned: tuple[float, float]
     d2h: tuple[float, float]
@@ -358,9 +374,10 @@ class CheckupReport:
             ("host taking and freeing batches", f"{self.data_wait_ms:.3g} ms")]
 
     def __str__(self) -> str:
-        width = max(len(name) for name, _ in self.rows())
+        rows = self.rows()
+        width = max(len(name) for name, _ in rows)
         lines = [f"per step, over {self.steps} profiled steps"]
-        lines += [f"  {name:<{width}}  {value}" for name, value in self.rows()]
+        lines += [f"  {name:<{width}}  {value}" for name, value in rows]
         lines += [f"  ! {note}" for note in self.unsteady()]
         if self.paced_copies:  # the profiler's slowness, not the step's: no finding priced it
             lines += [f"  ! {self.paced_copies} pinned copies ran under {SLOW_COPY_SHARE:.0%} of "
@@ -403,6 +420,7 @@ class CheckupReport:
         return "\n".join(lines)
 
     def _waits_on(self, finding: Finding) -> str:
+        """Who waits, and for what, for the summary's costliest finding."""
         if finding.kind == Kind.HOST_WAITS:
             waits = self.waits_together
             listed = ", ".join(waits[:-1]) + f" and {waits[-1]}" if len(waits) > 1 else waits[0]
@@ -414,7 +432,7 @@ class CheckupReport:
         work from the start of the first one's mark on the GPU to the start of the next, and
         on the host lane what the host ran meanwhile (often later steps: it runs ahead),
         clipped to that window; times from the window's start (in microseconds, as every
-        ``Activity``), ready for ``plot_timeline`` (notebook 09)."""
+        ``Activity``), ready for ``helpers.plot_timeline`` (notebook 09)."""
         spans = self.gpu_steps or self.host_steps
         begin = spans[first][0]
         end = spans[first + count][0] if first + count < len(spans) else spans[-1][1]
@@ -438,110 +456,11 @@ class CheckupReport:
         return default
 
 
-# Which call of the reader's code made the host wait: from the stack of the blocking call
-
-#: frames of a comprehension: the call is named after the function around it
-COMPREHENSIONS = ("<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>")
-
-
-#: files whose frames are the kit's, not the reader's: this module, helpers.py (named through a
-#: function of it: tools/nbtool.py reads a quoted module name as a use of all of that module)
-#: and torch's profiler
-KIT_FILES = frozenset({Path(__file__).stem, Path(format_bytes.__code__.co_filename).stem,
-                       "profiler"})
-
-
-def _is_library_frame(name: str) -> bool:
-    if name.startswith(("<built-in", "<frozen ")):
-        return True
-    path = name.split("(")[0]
-    stem = Path(path).stem
-    return (path.startswith("torch/") or "/torch/" in path or "site-packages" in path
-            or "dist-packages" in path or stem in KIT_FILES or stem in sys.stdlib_module_names)
-
-
-def _callee_label(frame: str) -> str:
-    if frame.startswith("<built-in method "):
-        method, _, owner = frame[len("<built-in method "):].partition(" of ")
-        return f".{method}()" if owner.startswith("Tensor") else f"torch.{method}()"
-    if frame.startswith("<built-in function "):
-        return frame[len("<built-in function "):].rstrip(">") + "()"
-    path, _, function = frame.partition(": ")
-    return f"{Path(path.split('(')[0]).stem}.{function}()"
-
-
-@dataclass(frozen=True)
-class _Blocking:
-    kind: str  # a key of ADVICE
-    label: str  # what the reader's code called
-    where: str  # where: the reader's function, or autograd's backward node
-
-
-def _classify(stack: list[dict], copy_direction: str | None) -> _Blocking:
-    """``stack``: the python frames and cpu ops enclosing a blocking call, outermost first;
-    ``copy_direction``: the copy it issued ("h2d_pageable", "h2d_pinned", "d2h"), if any."""
-    frames = [e["name"] for e in stack if e.get("cat") == "python_function"]
-    ops = [e["name"] for e in stack if e.get("cat") == "cpu_op"]
-    aten = [op for op in ops if op.startswith("aten::")]
-    user = max((i for i, f in enumerate(frames) if not _is_library_frame(f)), default=None)
-    below = [f for f in (frames[user + 1:] if user is not None else frames)
-             if not f.startswith("<frozen ")]  # the import machinery calls nothing of ours
-    callee = _callee_label(below[0]) if below else None
-    if user is not None:
-        named = [f.partition(": ")[2] for f in frames[:user + 1] if not _is_library_frame(f)]
-        where = "in " + next((f for f in reversed(named) if f not in COMPREHENSIONS), named[-1])
-    else:
-        node = next((op for op in ops if not op.startswith(("aten::", "autograd::"))), None)
-        where = f"in backward ({node}, autograd's thread)" if node else "in the step"
-    library = " ".join(below)
-    if "grad_scaler.py" in library:
-        return _Blocking(Kind.GRAD_SCALER, "GradScaler.step()", where)
-    if "clip_grad.py" in library:
-        return _Blocking(Kind.NONFINITE_CHECK, "clip_grad_norm_(error_if_nonfinite=True)", where)
-    outer = aten[0] if aten else None
-    if outer is None:
-        return _Blocking(Kind.EXPLICIT_SYNC, callee or "a synchronize()", where)
-    if outer in ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero"):
-        label = callee if callee and frames else {"aten::is_nonzero": "bool(tensor)"}.get(
-            outer, ".item()")
-        return _Blocking(Kind.SCALAR_READ, label, where)
-    if outer in ("aten::to", "aten::_to_copy", "aten::copy_", "aten::cpu", "aten::contiguous",
-                 "aten::clone"):
-        if callee in ("torch.tensor()", "torch.as_tensor()", "torch.asarray()"):
-            return _Blocking(Kind.CONSTANT_H2D, callee, where)
-        kind = {"h2d_pageable": Kind.PAGEABLE_H2D, "h2d_pinned": Kind.BLOCKING_H2D}.get(
-            copy_direction, Kind.BLOCKING_D2H)
-        return _Blocking(kind, callee or outer, where)
-    name = outer[len("aten::"):].lstrip("_").rstrip("0123456789")
-    return _Blocking(Kind.HIDDEN_SYNC, f"torch.{name}() ({outer})", where)
-
-
-def _enclosing(context: list[dict], calls: list[dict]) -> dict[int, list[dict]]:
-    """For each call (by index), the events of ``context`` on its thread that contain it,
-    outermost first."""
-    result: dict[int, list[dict]] = {}
-    by_thread: dict[tuple, list] = collections.defaultdict(list)
-    for event in context:
-        by_thread[(event["pid"], event["tid"])].append((event["ts"], 0, -event["dur"], event))
-    for index, call in enumerate(calls):
-        by_thread[(call["pid"], call["tid"])].append((call["ts"], 1, -call["dur"], index))
-    for items in by_thread.values():
-        stack: list[dict] = []
-        for ts, is_call, _, item in sorted(items, key=lambda x: x[:3]):
-            while stack and stack[-1]["ts"] + stack[-1]["dur"] < ts:
-                stack.pop()
-            if is_call:
-                end = ts + calls[item]["dur"]
-                result[item] = [e for e in stack if e["ts"] + e["dur"] >= end]
-            else:
-                stack.append(item)
-    return result
-
-
-# The check-up in four stages: the trace -> the profiled steps (_read_profile, _blocking_causes)
-# -> the step's dependency graph (_device_work, _host_lane, _link_device_work, _link_waits)
-# -> a replay of the graph, as it ran and with each cause removed (_replay, _fixes)
-# -> findings, costliest first (_savings, _findings, _latent).
+# The analysis, in four stages (``analyze_checkup_trace`` runs them in order, one section
+# each below): the trace -> the profiled steps and what made the host wait (_read_profile,
+# _blocking_causes) -> the steps' dependency graph (_step_graph) -> a replay of the graph, as
+# it ran and with each cause removed (_replay, _calibrate, _fixes, _priced) -> findings,
+# costliest first (_findings, _waits_finding, _latent).
 #
 # The cost of a cause is the step time the replay saves without it, as Daydream does (Zhu et
 # al., "Daydream: Accurately Estimating the Efficacy of Optimizations for DNN Training", USENIX
@@ -556,6 +475,8 @@ def _enclosing(context: list[dict], calls: list[dict]) -> dict[int, list[dict]]:
 # back to back can slow its kernels (tests/test_checkup.py's fp16 GradScaler ablation measures
 # how much), and saves less than predicted.
 
+
+# The profiled steps, as the trace gives them
 
 @dataclass
 class _Profile:
@@ -575,6 +496,7 @@ class _Profile:
 
     @property
     def host_range(self) -> tuple[float, float]:
+        """From the first step's start on the host to the last one's end."""
         return self.host_steps[0][0], self.host_steps[-1][1]
 
 
@@ -584,6 +506,9 @@ def _in_ms(event: dict) -> dict:
 
 
 def _read_profile(trace: dict | list, steps: int) -> _Profile:
+    """The ``steps`` profiled steps of a trace, found by their ``STEP_MARK`` spans: the CUDA
+    calls of the threads that launched their work, the device work, each copy's direction, the
+    host's time in next(batches) and the release, and the stacks around the calls."""
     events = [_in_ms(e) for e in _trace_events(trace) if e.get("ph") == "X"]
 
     def marks(category):
@@ -659,6 +584,110 @@ def _same_thread_ids(context: list[dict], calls: list[dict]) -> list[dict]:
             alias[best] = thread
     return [dict(e, pid=alias[(e["pid"], e["tid"])][0], tid=alias[(e["pid"], e["tid"])][1])
             if (e["pid"], e["tid"]) in alias else e for e in context]
+
+
+# Which call of the reader's code made the host wait: from the stack of the blocking call
+
+#: frames of a comprehension: the call is named after the function around it
+COMPREHENSIONS = ("<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>")
+
+
+#: files whose frames are the kit's, not the reader's: this module, helpers.py (named through a
+#: function of it: tools/nbtool.py reads a quoted module name as a use of all of that module)
+#: and torch's profiler
+KIT_FILES = frozenset({Path(__file__).stem, Path(format_bytes.__code__.co_filename).stem,
+                       "profiler"})
+
+
+def _is_library_frame(name: str) -> bool:
+    """Whether a Python frame of the trace is torch's, the kit's or the standard library's: the
+    reader's code is the innermost frame that is not."""
+    if name.startswith(("<built-in", "<frozen ")):
+        return True
+    path = name.split("(")[0]
+    stem = Path(path).stem
+    return (path.startswith("torch/") or "/torch/" in path or "site-packages" in path
+            or "dist-packages" in path or stem in KIT_FILES or stem in sys.stdlib_module_names)
+
+
+def _callee_label(frame: str) -> str:
+    """What the reader's code called, as the finding names it (".item()", "torch.nonzero()",
+    "grad_scaler.step()"), from the frame just inside the reader's."""
+    if frame.startswith("<built-in method "):
+        method, _, owner = frame[len("<built-in method "):].partition(" of ")
+        return f".{method}()" if owner.startswith("Tensor") else f"torch.{method}()"
+    if frame.startswith("<built-in function "):
+        return frame[len("<built-in function "):].rstrip(">") + "()"
+    path, _, function = frame.partition(": ")
+    return f"{Path(path.split('(')[0]).stem}.{function}()"
+
+
+@dataclass(frozen=True)
+class _Blocking:
+    kind: Kind
+    label: str  # what the reader's code called
+    where: str  # where: the reader's function, or autograd's backward node
+
+
+def _classify(stack: list[dict], copy_direction: str | None) -> _Blocking:
+    """``stack``: the python frames and cpu ops enclosing a blocking call, outermost first;
+    ``copy_direction``: the copy it issued ("h2d_pageable", "h2d_pinned", "d2h"), if any."""
+    frames = [e["name"] for e in stack if e.get("cat") == "python_function"]
+    ops = [e["name"] for e in stack if e.get("cat") == "cpu_op"]
+    aten = [op for op in ops if op.startswith("aten::")]
+    user = max((i for i, f in enumerate(frames) if not _is_library_frame(f)), default=None)
+    below = [f for f in (frames[user + 1:] if user is not None else frames)
+             if not f.startswith("<frozen ")]  # the import machinery calls nothing of ours
+    callee = _callee_label(below[0]) if below else None
+    if user is not None:
+        named = [f.partition(": ")[2] for f in frames[:user + 1] if not _is_library_frame(f)]
+        where = "in " + next((f for f in reversed(named) if f not in COMPREHENSIONS), named[-1])
+    else:
+        node = next((op for op in ops if not op.startswith(("aten::", "autograd::"))), None)
+        where = f"in backward ({node}, autograd's thread)" if node else "in the step"
+    library = " ".join(below)
+    if "grad_scaler.py" in library:
+        return _Blocking(Kind.GRAD_SCALER, "GradScaler.step()", where)
+    if "clip_grad.py" in library:
+        return _Blocking(Kind.NONFINITE_CHECK, "clip_grad_norm_(error_if_nonfinite=True)", where)
+    outer = aten[0] if aten else None
+    if outer is None:
+        return _Blocking(Kind.EXPLICIT_SYNC, callee or "a synchronize()", where)
+    if outer in ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero"):
+        label = callee if callee and frames else {"aten::is_nonzero": "bool(tensor)"}.get(
+            outer, ".item()")
+        return _Blocking(Kind.SCALAR_READ, label, where)
+    if outer in ("aten::to", "aten::_to_copy", "aten::copy_", "aten::cpu", "aten::contiguous",
+                 "aten::clone"):
+        if callee in ("torch.tensor()", "torch.as_tensor()", "torch.asarray()"):
+            return _Blocking(Kind.CONSTANT_H2D, callee, where)
+        kind = {"h2d_pageable": Kind.PAGEABLE_H2D, "h2d_pinned": Kind.BLOCKING_H2D}.get(
+            copy_direction, Kind.BLOCKING_D2H)
+        return _Blocking(kind, callee or outer, where)
+    name = outer[len("aten::"):].lstrip("_").rstrip("0123456789")
+    return _Blocking(Kind.HIDDEN_SYNC, f"torch.{name}() ({outer})", where)
+
+
+def _enclosing(context: list[dict], calls: list[dict]) -> dict[int, list[dict]]:
+    """For each call (by index), the events of ``context`` on its thread that contain it,
+    outermost first."""
+    result: dict[int, list[dict]] = {}
+    by_thread: dict[tuple, list] = collections.defaultdict(list)
+    for event in context:
+        by_thread[(event["pid"], event["tid"])].append((event["ts"], 0, -event["dur"], event))
+    for index, call in enumerate(calls):
+        by_thread[(call["pid"], call["tid"])].append((call["ts"], 1, -call["dur"], index))
+    for items in by_thread.values():
+        stack: list[dict] = []
+        for ts, is_call, _, item in sorted(items, key=lambda x: x[:3]):
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < ts:
+                stack.pop()
+            if is_call:
+                end = ts + calls[item]["dur"]
+                result[item] = [e for e in stack if e["ts"] + e["dur"] >= end]
+            else:
+                stack.append(item)
+    return result
 
 
 def _blocks(call: dict, direction: dict) -> bool:
@@ -1085,6 +1114,7 @@ def _profiled_period(graph: _StepGraph) -> float:
 
 
 def _replay_period(graph: _StepGraph, change: _Change | None = None) -> float:
+    """``_period_ms`` of the replay with ``change`` made."""
     return _period_ms(graph, *_replay(graph, change))
 
 
@@ -1116,7 +1146,9 @@ def _calibrate(graph: _StepGraph, step_ms: float | None) -> float:
 
 # Each cause's fix, and what the replay says it saves
 
-def _cause_key(cause: _Blocking) -> tuple[str, str, str]:
+def _cause_key(cause: _Blocking) -> tuple[Kind, str, str]:
+    """A cause's key in the fixes and savings: one per call site, so that two .item() calls in
+    two functions are priced apart."""
     return cause.kind, cause.label, cause.where
 
 
@@ -1299,6 +1331,13 @@ def _copies_and_busy(profile: _Profile) -> tuple[dict, list[tuple[float, float]]
     return totals, busy
 
 
+def _trace_origin(trace: dict | list) -> float:
+    """The time ``parse_chrome_trace`` counts from (us, the trace's unit)."""
+    return min((float(e["ts"]) for e in _trace_events(trace) if e.get("ph") == "X"
+                and _activity_kind(e.get("cat", ""), e.get("name", "")) is not None),
+               default=0.0)
+
+
 def _step_spans(trace: dict | list, category: str) -> list[tuple[float, float]]:
     """The steps' marks of ``category`` in ms from the time ``parse_chrome_trace`` counts from,
     where ``CheckupReport.step_window`` cuts its activities."""
@@ -1339,7 +1378,40 @@ def _measured(profile: _Profile, cause_of_call: dict, step_ms: float | None,
         gpu_steps=_step_spans(trace, "gpu_user_annotation") if profile.gpu_steps else [])
 
 
-def _findings(report: CheckupReport, per_cause: dict, savings: dict):
+def _advice(kind: Kind, report: CheckupReport) -> tuple[str, tuple[str, ...]]:
+    """What to change for ``kind``: for ``data_wait``, where the source alone takes less than
+    the rest of the step (it keeps up), the wait is not the loader's pace but next()'s own work:
+    with pageable batches (no pin thread), taking them from the workers and freeing them here;
+    with pinned ones, the hand-over, which costs the GPU only while the host waits for it."""
+    keeps_up = (report.loader_ms is not None
+                and report.loader_ms < report.reference_ms - report.data_wait_ms)
+    if kind == Kind.DATA_WAIT and keeps_up:
+        return KEEPS_UP_ADVICE if report.h2d_pageable[0] > 0 else HANDOVER_ADVICE
+    return ADVICE[kind]
+
+
+def _seen(kind: Kind, label: str, where: str, per_step: float, report: CheckupReport) -> str:
+    """What was measured of a cause, per step, for its finding: ``label`` called ``where``,
+    ``per_step`` times a step, for the host's waits; the report's own figures for the others."""
+    if kind == Kind.COPY_EXPOSED:
+        n, nbytes = report.h2d_pinned
+        return (f"{n:.3g} pinned H2D copies ({format_bytes(nbytes)}) a step with no kernel "
+                f"beside them")
+    if kind == Kind.DATA_WAIT:
+        source = (f"; the batch source alone takes {report.loader_ms:.3g} ms a batch"
+                  if report.loader_ms is not None else "")
+        return (f"the host spends {report.data_wait_ms:.3g} ms a step taking the next batch and "
+                f"freeing the last{source}")
+    if kind == Kind.HOST_BOUND:
+        kernels = "-" if report.short_kernels is None else f"{report.short_kernels:.0%}"
+        return (f"the host is busy {report.host_busy_ms:.3g} ms a step outside waits, the GPU "
+                f"{report.gpu_work_ms:.3g} ms; {kernels} of kernels are "
+                f"shorter than their launch, {report.launch_queue:.2g} wait queued on average")
+    return f"{label} {where}, {per_step:.3g} a step, blocks the host"
+
+
+def _findings(report: CheckupReport, per_cause: dict,
+              savings: dict) -> tuple[list[Finding], list[tuple]]:
     """A finding per cause seen in at least every other step whose fix saves at least
     MIN_SAVING_SHARE of the step and MIN_SAVING_MS (``savings``: ms a step, by cause);
     ``host_bound`` only where the host's time outside waits is at least the GPU's and, with its
@@ -1411,35 +1483,7 @@ def _latent(report: CheckupReport, graph: _StepGraph, priced: _Priced,
     return sorted(found, key=lambda f: -f.later_ms)
 
 
-def _advice(kind: Kind, report: CheckupReport) -> tuple[str, tuple]:
-    """What to change for ``kind``: for ``data_wait``, where the source alone takes less than
-    the rest of the step (it keeps up), the wait is not the loader's pace but next()'s own work:
-    with pageable batches (no pin thread), taking them from the workers and freeing them here;
-    with pinned ones, the hand-over, which costs the GPU only while the host waits for it."""
-    keeps_up = (report.loader_ms is not None
-                and report.loader_ms < report.reference_ms - report.data_wait_ms)
-    if kind == Kind.DATA_WAIT and keeps_up:
-        return KEEPS_UP_ADVICE if report.h2d_pageable[0] > 0 else HANDOVER_ADVICE
-    return ADVICE[kind]
-
-
-def _seen(kind, label, where, per_step, report) -> str:
-    if kind == Kind.COPY_EXPOSED:
-        n, nbytes = report.h2d_pinned
-        return (f"{n:.3g} pinned H2D copies ({format_bytes(nbytes)}) a step with no kernel "
-                f"beside them")
-    if kind == Kind.DATA_WAIT:
-        source = (f"; the batch source alone takes {report.loader_ms:.3g} ms a batch"
-                  if report.loader_ms is not None else "")
-        return (f"the host spends {report.data_wait_ms:.3g} ms a step taking the next batch and "
-                f"freeing the last{source}")
-    if kind == Kind.HOST_BOUND:
-        kernels = "-" if report.short_kernels is None else f"{report.short_kernels:.0%}"
-        return (f"the host is busy {report.host_busy_ms:.3g} ms a step outside waits, the GPU "
-                f"{report.gpu_work_ms:.3g} ms; {kernels} of kernels are "
-                f"shorter than their launch, {report.launch_queue:.2g} wait queued on average")
-    return f"{label} {where}, {per_step:.3g} a step, blocks the host"
-
+# The analysis of a trace: the stages above, in order
 
 def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float | None = None,
                           loader_ms: float | None = None, *,
@@ -1479,14 +1523,9 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float | None 
     return replace(report, findings=findings, latent=_latent(report, graph, priced, small))
 
 
-def _trace_origin(trace: dict | list) -> float:
-    """The time ``parse_chrome_trace`` counts from (us, the trace's unit)."""
-    return min((float(e["ts"]) for e in _trace_events(trace) if e.get("ph") == "X"
-                and _activity_kind(e.get("cat", ""), e.get("name", "")) is not None),
-               default=0.0)
+# The check-up of a running step: warm up, time the batch source and the step, profile
 
-
-def _buffered_batches(batches) -> int:
+def _buffered_batches(batches: Iterable | None) -> int:
     """How many batches a DataLoader's workers may hold ready: 0 for other sources; a wrapper
     that keeps its source as ``.batches`` (``Prefetcher``) is looked through."""
     loader = getattr(batches, "batches", batches)
@@ -1499,10 +1538,19 @@ def checkup_batches(workers: int = 0, prefetch_factor: int = 2, *, steps: int = 
     """How many batches ``checkup`` takes from a loader with ``workers`` workers (0 for any
     other source) and these settings (the batches the workers hold ready count twice: taken
     before the source is timed alone, and stepped through again after it) (notebook 09)."""
-    return (warmup + 2 * workers * prefetch_factor + loader_batches + timed_steps + 1 + steps)
+    return _batches_needed(workers * prefetch_factor, steps=steps, timed_steps=timed_steps,
+                           warmup=warmup, loader_batches=loader_batches)
 
 
-@cache
+def _batches_needed(ready: int, *, steps: int, timed_steps: int, warmup: int,
+                    loader_batches: int) -> int:
+    """The batches ``checkup`` takes, in its order: warm-up, the ``ready`` ones dropped, the
+    source timed alone, the ``ready`` ones stepped through, the timed steps, the profiler's
+    warm-up step and the profiled steps."""
+    return warmup + 2 * ready + loader_batches + timed_steps + 1 + steps
+
+
+@functools.cache
 def _pinned_link_gbps(nbytes: int = 16 * 2**20) -> float:
     """The link's rate from page-locked memory to the device (GB/s), measured once a process:
     the median of 10 copies of ``nbytes``, what a pageable copy would run at once pinned (the
@@ -1578,6 +1626,7 @@ def _timed_ms(one_step: Callable[[], None], timed_steps: int,
 
 
 def _recorded_event() -> torch.cuda.Event:
+    """A timing event recorded now on the current stream."""
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
@@ -1607,6 +1656,9 @@ def _profiled_trace(one_step: Callable[[], None], steps: int) -> dict:
     return traces[0]
 
 
+_RAN_OUT = object()  # what next() gives once the batch source is exhausted (a batch may be None)
+
+
 class _Stepper:
     """One step as ``checkup`` runs it: ``step(batch)`` with a batch taken from ``batches``
     (``step()`` if there are none), the batch released after it, the host's time in both added
@@ -1618,12 +1670,14 @@ class _Stepper:
         self.step, self.batches, self.needed = step, batches, needed
         self.source = iter(batches) if batches is not None else None
         self.taken = 0
-        self.next_s = [0.0]
+        self.next_s = [0.0]  # a list: ``_timed_ms`` reads what the steps add while it runs
         self.profiling = False
 
     def take(self):
-        batch = next(self.source, _END)
-        if batch is _END:
+        """The next batch; once the source runs out, an error that says how many batches
+        ``checkup`` needs (``checkup_batches``)."""
+        batch = next(self.source, _RAN_OUT)
+        if batch is _RAN_OUT:
             raise ValueError(f"the batch source ran out after {self.taken} batches; "
                              f"checkup needs {self.needed}")
         self.taken += 1
@@ -1680,8 +1734,8 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
     """
     require_cuda()
     ready = _buffered_batches(batches)
-    needed = (warmup + 2 * ready + loader_batches + timed_steps + 1 + steps
-              if batches is not None else 0)
+    needed = (_batches_needed(ready, steps=steps, timed_steps=timed_steps, warmup=warmup,
+                              loader_batches=loader_batches) if batches is not None else 0)
     one_step = _Stepper(step, batches, needed)
     loader_ms = None
     try:
