@@ -201,7 +201,7 @@ class Finding:
         after = (f" -> about {self.predicted_step_ms:.3g} ms a step without it"
                  if self.predicted_step_ms is not None else "")
         return (f"{self.kind}, {self.cost_ms:.3g} ms a step{after}: {self.seen} -> "
-                f"{self.advice} (notebook {', '.join(self.notebooks)})")
+                f"{self.advice} {_notebooks(self.notebooks)}")
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ class Latent:
     def __str__(self) -> str:
         return (f"{self.kind}: {self.seen}: free while the host is the bottleneck; about "
                 f"{self.later_ms:.3g} ms a step once it is not -> {self.advice} "
-                f"(notebook {', '.join(self.notebooks)})")
+                f"{_notebooks(self.notebooks)}")
 
 
 @dataclass
@@ -1503,6 +1503,8 @@ def analyze_checkup_trace(trace: dict | list, steps: int, step_ms: float | None 
     reaches. ``link_gbps``, the pinned copy rate measured apart (unprofiled): the price of a
     pageable copy made pinned when the trace has no pinned copy to measure it by (not given:
     LINK_GBPS), and the pace of a large pinned copy that the profiler slowed."""
+    if steps < 1:
+        raise ValueError(f"checkup: a trace of {steps} steps: nothing to read")
     profile = _read_profile(trace, steps)
     cause_of_call, cause_of_copy = _blocking_causes(profile)
     graph = _step_graph(profile, cause_of_call, cause_of_copy)
@@ -1559,7 +1561,10 @@ def _pinned_link_gbps(nbytes: int = 16 * 2**20) -> float:
     cached after a check-up is the step's own (notebook 09 reports it)."""
     host = torch.empty(nbytes, dtype=torch.uint8)
     cudart = torch.cuda.cudart()
-    cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)
+    error = cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)
+    if int(error) != 0:  # else the "pinned" rate would be a pageable copy's
+        raise RuntimeError(f"checkup: cudaHostRegister of {format_bytes(nbytes)} failed "
+                           f"({error}): cannot measure the pinned link rate")
     try:
         target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         timing = time_cuda(lambda: target.copy_(host, non_blocking=True), warmup=2, repeat=10)
@@ -1732,6 +1737,9 @@ def checkup(step: Callable, batches: Iterable | None = None, *, steps: int = 10,
     (costliest first, each with what to change, the step time predicted without it and the
     notebook that measures why) and the latent ones.
     """
+    if steps < 1 or timed_steps < 1:
+        raise ValueError(f"checkup: steps ({steps}) and timed_steps ({timed_steps}) must be 1 or "
+                         "more")
     require_cuda()
     ready = _buffered_batches(batches)
     needed = (_batches_needed(ready, steps=steps, timed_steps=timed_steps, warmup=warmup,

@@ -1641,3 +1641,30 @@ def test_checkup_predicts_what_its_top_fix_saves(case, float32_matmuls, monkeypa
           f"{report.gpu_work_ms:.3f})" + "".join(f"\n[{case}] priced / measured: {d}"
                                               for d in data))  # pytest -rA: each margin
     assert not problems, f"[{case}] " + f"\n[{case}] ".join(problems) + context
+
+
+def test_findings_cite_their_notebooks_as_the_summary_does():
+    found = checkup.Finding(checkup.Kind.SCALAR_READ, "1 .item() a step", 2.0, "log later",
+                            ("01", "03", "06"))
+    assert str(found).endswith("(notebooks 01, 03 and 06)")
+    latent = checkup.Latent(checkup.Kind.SCALAR_READ, "1 .item() a step", 0.0, 2.0,
+                            "log later", ("09",))
+    assert str(latent).endswith("(notebook 09)")
+
+
+def test_no_steps_is_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="must be 1 or more"):
+        checkup.checkup(lambda: None, steps=0)
+    with pytest.raises(ValueError, match="nothing to read"):
+        checkup.analyze_checkup_trace([], steps=0)
+
+
+def test_a_failed_registration_is_refused_not_timed_as_pinned(monkeypatch):
+    class RefusingRuntime:
+        @staticmethod
+        def cudaHostRegister(pointer, nbytes, flags):
+            return 1  # cudaErrorInvalidValue
+
+    monkeypatch.setattr(checkup.torch.cuda, "cudart", lambda: RefusingRuntime)
+    with pytest.raises(RuntimeError, match="cannot measure the pinned link rate"):
+        checkup._pinned_link_gbps.__wrapped__(4096)
