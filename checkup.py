@@ -18,8 +18,10 @@ import collections
 import enum
 import functools
 import json
+import os
 import statistics
 import sys
+import sysconfig
 import tempfile
 import time
 import warnings
@@ -296,9 +298,13 @@ class CheckupReport:
     def saving_ms(self, *kinds: str) -> float:
         """What removing every cause of ``kinds`` at once saves a step, as the replay predicts
         (0 where none was seen). Several kinds are replayed together, not added: a change
-        that removes two waits can save more than the two alone (notebook 09)."""
-        if len(kinds) == 1 or self.what_if is None:
-            return sum(self.savings_ms.get(kind, 0.0) for kind in kinds)
+        that removes two waits can save more than the two alone, so a report without its
+        replay refuses several (notebook 09)."""
+        if len(kinds) == 1:
+            return self.savings_ms.get(kinds[0], 0.0)
+        if self.what_if is None:
+            raise ValueError(f"this report has no replay to price {', '.join(kinds)} together: "
+                             "ask for one kind at a time")
         return self.what_if(kinds)
 
     @property
@@ -356,7 +362,7 @@ class CheckupReport:
         if self.loader_ms is not None:
             rows.append(("the batch source alone, per batch", f"{self.loader_ms:.3g} ms"))
         return rows + [
-            ("GPU busy (kernel time / step time)", f"{self.gpu_busy:.2f}"),
+            ("GPU busy (device work / step time)", f"{self.gpu_busy:.2f}"),
             ("host busy / GPU work, per step", f"{number(self.host_busy_ms, '.3g')} ms / "
                                                f"{number(self.gpu_work_ms, '.3g')} ms"),
             ("kernels shorter than their launch", number(self.short_kernels, ".0%")),
@@ -396,7 +402,7 @@ class CheckupReport:
         the replay's estimates, and say so; ``str(report)`` is the full report (notebook 09)."""
         if self.step_ms is not None:
             lines = [f"step: {self.step_ms:.3g} ms, timed; GPU busy {self.gpu_busy:.0%} of it "
-                     f"(kernel time, profiled)"]
+                     f"(device work, profiled)"]
         else:
             lines = [f"step: {self.profiled_step_ms:.3g} ms, profiled"]
         step_ms = self.reference_ms
@@ -607,7 +613,27 @@ def _is_library_frame(name: str) -> bool:
     path = name.split("(")[0]
     stem = Path(path).stem
     return (path.startswith("torch/") or "/torch/" in path or "site-packages" in path
-            or "dist-packages" in path or stem in KIT_FILES or stem in sys.stdlib_module_names)
+            or "dist-packages" in path or stem in KIT_FILES or _is_stdlib_path(path))
+
+
+#: the standard library's directories on this host
+_STDLIB_DIRS = tuple(sorted({os.path.abspath(sysconfig.get_paths()[key])
+                             for key in ("stdlib", "platstdlib")}))
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_stdlib_path(path: str) -> bool:
+    """Whether a frame's file is the standard library's. torch's tracer cuts every ``sys.path``
+    prefix from a frame's file, so a reader's ``code.py`` beside the notebook and the standard
+    ``code.py`` both read "code.py": a name counts as the standard library's where a standard
+    directory holds it and no other ``sys.path`` entry does (a reader's file of that name
+    shadows the standard module on import, so only it can run)."""
+    if os.path.isabs(path):
+        return path.startswith(tuple(d + os.sep for d in _STDLIB_DIRS))
+    def holds(directory):
+        return os.path.isfile(os.path.join(directory or os.curdir, path))
+    others = [d for d in sys.path if os.path.abspath(d or os.curdir) not in _STDLIB_DIRS]
+    return any(holds(d) for d in _STDLIB_DIRS) and not any(holds(d) for d in others)
 
 
 def _callee_label(frame: str) -> str:
@@ -1100,7 +1126,9 @@ def _period_ms(graph: _StepGraph, host_start, dev_start, dev_end) -> float:
             first = min(first, dev_start[d]) if op.step == 0 else first
     if float("-inf") in lasts:
         marks = [host_start[m] for m in graph.marks] + [host_start[-1]]
-        return (marks[-2] - marks[0]) / (graph.steps - 1) if graph.steps > 1 else marks[-1]
+        if graph.steps == 1:
+            return marks[-1] - marks[0]
+        return (marks[-2] - marks[0]) / (graph.steps - 1)
     if graph.steps > 1:
         return (lasts[-1] - lasts[0]) / (graph.steps - 1)
     return lasts[0] - first

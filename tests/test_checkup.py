@@ -2,11 +2,14 @@
 defects, common real steps and ablations priced against what their fixes measure."""
 
 import functools
+import gzip
 import itertools
+import json
 import statistics
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -773,6 +776,66 @@ def test_checkup_names_the_function_around_a_comprehension_and_skips_frozen_fram
         stack += [{"cat": "cpu_op", "name": op} for op in to[0]]
         assert checkup._classify(stack, to[1]) == checkup._Blocking("pageable_h2d", ".to()",
                                                                     "in step")
+
+
+
+def test_checkup_tells_a_readers_file_from_a_standard_module_of_its_name(tmp_path, monkeypatch):
+    # torch's tracer cuts every sys.path prefix from a frame's file: a reader's code.py beside
+    # the notebook and the standard code.py both read "code.py"
+    stack = [{"cat": "python_function", "name": f} for f in (
+        "code.py(20): train", "<built-in method item of Tensor object at 0x1>")]
+    stack += [{"cat": "cpu_op", "name": op} for op in ("aten::item", "aten::_local_scalar_dense")]
+    checkup._is_stdlib_path.cache_clear()
+    assert checkup._classify(stack, "d2h").where == "in the step"  # the standard module's
+    (tmp_path / "code.py").write_text("def train(): pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    checkup._is_stdlib_path.cache_clear()
+    try:
+        assert checkup._classify(stack, "d2h").where == "in train"
+        assert checkup._is_library_frame("threading.py(1012): run")
+    finally:
+        checkup._is_stdlib_path.cache_clear()
+
+
+def test_checkup_period_of_one_step_without_device_work_is_a_duration():
+    Host = checkup._HostOp
+    host = [Host(100.0, 0.0, "mark"), Host(100.0, 2.0, "work"), Host(102.0, 0.5, "work")]
+    graph = checkup._StepGraph(host, [], 100.0, 1, [0], [])
+    assert checkup._profiled_period(graph) == pytest.approx(2.0)  # it read 102, a timestamp
+
+
+def test_checkup_saving_of_several_kinds_needs_the_replay():
+    report = _bare_report(savings_ms={"scalar_read": 0.4, "blocking_d2h": 0.3})
+    assert report.saving_ms("scalar_read") == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="no replay to price scalar_read, blocking_d2h"):
+        report.saving_ms("scalar_read", "blocking_d2h")  # added, it read 0.7
+    together = replace(report, what_if=lambda kinds: 1.1)
+    assert together.saving_ms("scalar_read", "blocking_d2h") == 1.1
+
+
+
+#: one real trace, recorded on a GPU by tools/record_checkup_trace.py with what the analysis was
+#: given there: a small step that reads its loss with .item() every step
+RECORDED_TRACE = Path(__file__).parent / "data" / "checkup_item_step.json.gz"
+
+
+def test_checkup_reads_a_recorded_real_trace_as_it_did_on_the_gpu():
+    if not RECORDED_TRACE.exists():
+        pytest.skip(f"{RECORDED_TRACE.name} is missing: tools/record_checkup_trace.py records "
+                    "it on a GPU")
+    with gzip.open(RECORDED_TRACE, "rt") as f:
+        given = json.load(f)
+    report = checkup.analyze_checkup_trace(
+        given["trace"], given["steps"], given["step_ms"], given["loader_ms"],
+        link_gbps=given.get("link_gbps"), next_ms=given.get("next_ms"))
+    found = [[str(f.kind), f.seen, f.cost_ms] for f in report.findings]
+    assert [f[:2] for f in found] == [f[:2] for f in given["findings"]]
+    assert [f[2] for f in found] == pytest.approx([f[2] for f in given["findings"]])
+    assert report.summary() == given["summary"]
+    # the planted wait, named in the reader's function (its file is cut to a bare name, as the
+    # standard library's are), and a replay that runs the profiled step as it ran
+    assert found and found[0][0] == "scalar_read" and "in train_step" in found[0][1]
+    assert 0.9 <= report.replay_fidelity <= 1.1
 
 
 # A small step whose one defect is planted: the check-up must name that one and nothing else.
