@@ -34,6 +34,7 @@ def train_step(model, optimizer, batch, losses):
 
 
 def main(out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(),
                                 torch.nn.Linear(WIDTH, WIDTH)).cuda()
