@@ -1378,7 +1378,7 @@ def _step_spans(trace: dict | list, category: str) -> list[tuple[float, float]]:
 def _measured(profile: _Profile, cause_of_call: dict, step_ms: float | None,
               trace: dict | list) -> dict:
     """The report's measured fields: copies, synchronisations and waits per step, the profiled
-    period, and how busy the GPU's kernels kept it."""
+    period, and how busy the GPU kept it (all its work but host<->device copies)."""
     steps = profile.steps
     marks = profile.gpu_steps or profile.host_steps
     periods = max(steps - 1, 1)
