@@ -117,6 +117,31 @@ def test_the_committed_outputs_are_a_run_and_stale_runs_do_not_count(tmp_path):
     assert worst.worst == pytest.approx(1.25 / 1.2)  # the stale run's failure is not counted
 
 
+def test_a_run_set_aside_is_kept_listed_but_counts_toward_no_margin(tmp_path):
+    path = tmp_path / "08_x.ipynb"
+    nb = _executed_notebook(value=1.0)
+    version = nbtool.run_version(nb)
+    kept = tmp_path / "margins.json"
+    nbtool.write_margins([{"run": run, "notebook": "08_x.ipynb", "version": version,
+                           "usable_cpus": 16, "host_cpus": 64,
+                           "claims": [_claim(statement="fast", lhs_value=value)]}
+                          for run, value in (("quiet", 1.0), ("beside", 9.0))], kept)
+    with pytest.raises(ValueError, match="say why"):
+        nbtool.set_aside(["beside"], " ", kept)
+    with pytest.raises(ValueError, match="no such run in the margins file: nope"):
+        nbtool.set_aside(["nope"], "ran beside 07", kept)
+    assert nbtool.claim_margins(nbtool.current_runs(path, nb, nbtool.read_margins(kept))
+                                )[0].worst < 1  # counted before: it fails the claim
+    assert nbtool.set_aside(["beside"], "ran beside 07 on one host", kept) == 1
+    runs = nbtool.read_margins(kept)
+    assert [r["run"] for r in runs] == ["beside", "quiet"]  # still listed
+    current = nbtool.current_runs(path, nb, runs)
+    assert "beside" not in [r["run"] for r in current]
+    assert nbtool.claim_margins(current)[0].worst == pytest.approx(1.25)
+    nbformat.write(nb, path)
+    assert "1 run(s) set aside: ran beside 07 on one host" in nbtool.margins_report([path], runs)
+
+
 def test_the_code_and_the_helpers_it_reaches_make_the_version():
     nb = _executed_notebook()
     changed = _executed_notebook()

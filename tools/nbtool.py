@@ -8,6 +8,7 @@
                                                 sections (--fix rewrites what it can)
     python tools/nbtool.py new NN_topic "Title" "The question?"   start a notebook in the format
     python tools/nbtool.py margins [NOTEBOOK ...] [--runs N] [--cpus 0,1] [--add LOG ...]
+    python tools/nbtool.py margins --set-aside RUN ... --why "ran beside another notebook"
                                                 execute N times with claims recorded, not
                                                 raised (or add logs pytest wrote), keep the runs
                                                 in tests/margins.json, report each claim's margin
@@ -1824,10 +1825,34 @@ def host_shape(run: dict) -> str:
     return f"{usable} CPUs"
 
 
+def set_aside(run_ids: list[str], why: str, path: Path | None = None) -> int:
+    """Keep these runs in the margins file but out of every margin, with the reason: a run made
+    against the collection's own rules (08 and 12 measure host memory bandwidth, so a run of
+    either beside another notebook on one host measures the neighbours too). Refuses an unknown
+    run and an empty reason; a run set aside stays listed, so the record shows what was left out."""
+    if not why.strip():
+        raise ValueError("say why these runs are set aside")
+    runs = read_margins(path)
+    known = {r["run"] for r in runs}
+    unknown = sorted(set(run_ids) - known)
+    if unknown:
+        raise ValueError(f"no such run in the margins file: {', '.join(unknown)}")
+    for run in runs:
+        if run["run"] in run_ids:
+            run[SET_ASIDE] = why.strip()
+    write_margins(runs, path)
+    return len(set(run_ids))
+
+
+SET_ASIDE = "set_aside"  # a run's key: why its claims count toward no margin
+
+
 def current_runs(path: Path, nb, runs: list[dict]) -> list[dict]:
-    """The runs of this notebook's current version, the committed outputs first."""
+    """The runs of this notebook's current version, the committed outputs first; runs set aside
+    (``set_aside``) are not among them."""
     version = run_version(nb)
-    mine = [r for r in runs if r["notebook"] == path.name and r.get("version") == version]
+    mine = [r for r in runs if r["notebook"] == path.name and r.get("version") == version
+            and not r.get(SET_ASIDE)]
     committed = committed_run(path, nb)
     return ([committed] if committed else []) + mine
 
@@ -1885,12 +1910,17 @@ def margins_report(paths: list[Path], runs: list[dict] | None = None) -> str:
     runs = read_margins() if runs is None else runs
     lines = []
     for path in paths:
-        mine = current_runs(path, read(path), runs)
+        nb = read(path)
+        mine = current_runs(path, nb, runs)
         shapes = collections.Counter(host_shape(r) for r in mine)
         gpus = sorted({r.get("gpu") or "?" for r in mine})
+        aside = [r for r in runs if r["notebook"] == path.name and r.get(SET_ASIDE)
+                 and r.get("version") == run_version(nb)]
         lines.append(f"{path.name}: " + (", ".join(f"{n} run(s) with {s}"
                                                     for s, n in sorted(shapes.items()))
-                                          or "no current run") + f" on {', '.join(gpus)}")
+                                          or "no current run") + f" on {', '.join(gpus)}"
+                     + "".join(f"; {n} run(s) set aside: {why}" for why, n in
+                               collections.Counter(r[SET_ASIDE] for r in aside).items()))
         for c in claim_margins(mine):
             if not c.margins:
                 lines.append(f"  {'-':>7} {'-':>7}  {'not measured':<11} {c.statement}")
@@ -2348,6 +2378,9 @@ def main(argv: list[str] | None = None) -> int:
                          "it (0,1: a free Colab runtime's two)")
     margins.add_argument("--add", nargs="*", type=Path, default=[], metavar="LOG",
                          help="claim logs written by pytest with COLLECTION_CLAIM_LOG set")
+    margins.add_argument("--set-aside", nargs="+", default=[], metavar="RUN",
+                         help="runs to keep out of every margin (listed, with --why)")
+    margins.add_argument("--why", default="", help="why the runs are set aside")
     site = sub.add_parser("site", help="build the static site from the committed outputs")
     site.add_argument("--out", type=Path, default=SITE, help="where (default: _site/)")
     blank = sub.add_parser("blank", help="write the notebooks without outputs into OUT/notebooks "
@@ -2382,6 +2415,12 @@ def main(argv: list[str] | None = None) -> int:
         return _new(args.stem, args.title, args.question)
     if args.command == "margins":
         paths = [p.resolve() for p in args.notebooks] or notebook_paths()
+        if args.set_aside:
+            try:
+                print(f"{set_aside(args.set_aside, args.why)} run(s) set aside: {args.why}")
+            except ValueError as error:
+                print(error, file=sys.stderr)
+                return 1
         return _margins(paths, args.runs, args.cpus, args.add, report_only=args.runs == 0)
     if args.command == "blank":
         written = write_blank_copies(args.out.resolve())
