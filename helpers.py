@@ -3046,8 +3046,8 @@ class CheckpointLoader:
         threads = torch.get_num_threads()
         if self._pool is None:
             # Through the mapping, copy_ faults the file's pages in on every intra-op thread at
-            # once; many threads contend (notebook 12's mmap loader: 2,134 ms warm with 64 of
-            # them on a 64-CPU host, 178 ms with 16 on a 32-CPU one), so they stop at the cap
+            # once, and many threads contend: notebook 12's mmap loader took 2,134 ms warm with
+            # 64 of them on a 64-CPU host, 92.6 ms there with the cap of 8
             torch.set_num_threads(min(threads, self.MAX_THREADS))
 
         def start(k):

@@ -1825,6 +1825,9 @@ def host_shape(run: dict) -> str:
     return f"{usable} CPUs"
 
 
+SET_ASIDE = "set_aside"  # a run's key: why its claims count toward no margin
+
+
 def set_aside(run_ids: list[str], why: str, path: Path | None = None) -> int:
     """Keep these runs in the margins file but out of every margin, with the reason: a run made
     against the collection's own rules (08 and 12 measure host memory bandwidth, so a run of
@@ -1842,9 +1845,6 @@ def set_aside(run_ids: list[str], why: str, path: Path | None = None) -> int:
             run[SET_ASIDE] = why.strip()
     write_margins(runs, path)
     return len(set(run_ids))
-
-
-SET_ASIDE = "set_aside"  # a run's key: why its claims count toward no margin
 
 
 def current_runs(path: Path, nb, runs: list[dict]) -> list[dict]:
@@ -1914,8 +1914,9 @@ def margins_report(paths: list[Path], runs: list[dict] | None = None) -> str:
         mine = current_runs(path, nb, runs)
         shapes = collections.Counter(host_shape(r) for r in mine)
         gpus = sorted({r.get("gpu") or "?" for r in mine})
+        version = run_version(nb)
         aside = [r for r in runs if r["notebook"] == path.name and r.get(SET_ASIDE)
-                 and r.get("version") == run_version(nb)]
+                 and r.get("version") == version]
         lines.append(f"{path.name}: " + (", ".join(f"{n} run(s) with {s}"
                                                     for s, n in sorted(shapes.items()))
                                           or "no current run") + f" on {', '.join(gpus)}"
